@@ -1,0 +1,23 @@
+"""dlgs_jax: communication-efficient synchronous data-parallel training in JAX.
+
+The core is `dlgs`, dynamic layer-wise gradient sparsification with reused
+thresholds and planned layer merging (Ju et al., J. Xi'an Jiaotong Univ. 58(9),
+2024), next to the methods it is compared with: `dense`, `topk`, `lags`,
+`gtopk`.
+"""
+
+from dlgs_jax.collectives import (dense_mean, gtopk_indices, gtopk_mean,
+                                  sparse_allgather_mean)
+from dlgs_jax.grouping import backward_order, leaf_paths
+from dlgs_jax.state import (CommStats, DenseState, DLGSState, SparseState,
+                            comm_stats, stats_summary)
+from dlgs_jax.transforms import dense, dlgs, gtopk, lags, topk
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommStats", "DLGSState", "DenseState", "SparseState", "backward_order",
+    "comm_stats", "dense", "dense_mean", "dlgs", "gtopk", "gtopk_indices",
+    "gtopk_mean", "lags", "leaf_paths", "sparse_allgather_mean", "stats_summary",
+    "topk",
+]

@@ -1,0 +1,227 @@
+"""Collectives that carry dense and sparse gradients between workers.
+
+Every function here is pure and meant to run inside `jax.shard_map` (or any
+other context that binds `axis_name`); ``axis_name=None`` means a single worker
+and makes every collective the identity. `axis_name` may also be a tuple of mesh
+axis names (e.g. ``("host", "device")``), which JAX treats as one flattened axis.
+
+Sparse messages are ``(values, indices)`` pairs with indices into a flat buffer
+of static `size`; padding entries carry the sentinel index ``size``. Values and
+indices travel together in one float32 message (indices bit-cast), so one
+group costs exactly one collective.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AxisName = Union[Hashable, Sequence[Hashable], None]
+
+
+def num_workers(axis_name: AxisName) -> int:
+  """Static number of workers along `axis_name` (1 for ``None``)."""
+  if axis_name is None:
+    return 1
+  return int(lax.axis_size(axis_name))
+
+
+def worker_index(axis_name: AxisName) -> jax.Array:
+  """This worker's int32 index along `axis_name` (0 for ``None``)."""
+  if axis_name is None:
+    return jnp.zeros((), jnp.int32)
+  return lax.axis_index(axis_name).astype(jnp.int32)
+
+
+def dense_mean(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
+  """Mean of `x` over workers: one all-reduce."""
+  if axis_name is None:
+    return x
+  return lax.pmean(x, axis_name)
+
+
+def _pack(values: jax.Array, indices: jax.Array) -> jax.Array:
+  return jnp.concatenate([
+      values.astype(jnp.float32),
+      lax.bitcast_convert_type(indices.astype(jnp.int32), jnp.float32),
+  ], axis=-1)
+
+
+def _unpack(message: jax.Array) -> tuple[jax.Array, jax.Array]:
+  half = message.shape[-1] // 2
+  values = message[..., :half]
+  indices = lax.bitcast_convert_type(message[..., half:], jnp.int32)
+  return values, indices
+
+
+def scatter_mean(
+    values: jax.Array, indices: jax.Array, size: int, num: int
+) -> jax.Array:
+  """Dense float32[size] = (sum of the rows of a [W, c] sparse batch) / num.
+
+  Rows are added one at a time in worker order. Within a row indices are
+  unique, so no scatter ever adds two values into one slot at once: the result
+  is deterministic and bit-identical on every worker that runs it (a single
+  scatter-add over all rows would let GPU atomics reorder the sums).
+  """
+  def add_row(row, dense):
+    return dense.at[indices[row]].add(values[row], mode="drop")
+
+  # Starting from the first row (not from zeros) gives the carry the same
+  # varying-across-workers type as the rows inside shard_map.
+  first = add_row(0, jnp.zeros((size,), jnp.float32))
+  dense = lax.fori_loop(1, values.shape[0], add_row, first)
+  return dense / num
+
+
+def sparse_allgather_mean(
+    values: jax.Array, indices: jax.Array, size: int, *, axis_name: AxisName
+) -> jax.Array:
+  """Mean over workers of sparse vectors, by all-gather and scatter-add.
+
+  Each worker sends its c (value, index) pairs to every other worker, so a
+  worker receives (P-1)·c pairs: O(cP) traffic (the Top-k S-SGD baseline).
+
+  Args:
+    values: float[c] this worker's selected values.
+    indices: int32[c] their flat indices, padded with the sentinel `size`.
+    size: length of the dense vector.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    float32[size], identical on all workers.
+  """
+  if axis_name is None:
+    return scatter_mean(values[None].astype(jnp.float32), indices[None], size, 1)
+  gathered = lax.all_gather(_pack(values, indices), axis_name)
+  all_values, all_indices = _unpack(gathered)
+  return scatter_mean(all_values, all_indices, size, num_workers(axis_name))
+
+
+def _merge_topk(
+    values: jax.Array, indices: jax.Array, k: int, size: int
+) -> tuple[jax.Array, jax.Array]:
+  """Sums values that share an index, then keeps the k largest ``|sum|``.
+
+  The output is canonical -- sorted by index before the top-k, so two workers
+  merging the same two sets in either order get bit-identical results.
+  """
+  order_indices, order_values = lax.sort((indices, values), num_keys=1)
+  first = jnp.concatenate(
+      [jnp.ones((1,), bool), order_indices[1:] != order_indices[:-1]])
+  segment = jnp.cumsum(first, dtype=jnp.int32) - 1
+  n = values.shape[0]
+  sums = jax.ops.segment_sum(order_values, segment, num_segments=n)
+  unique = jnp.full((n,), size, jnp.int32).at[segment].set(order_indices)
+  # Sentinel segments must never beat a real index of equal magnitude.
+  magnitude = jnp.where(unique < size, jnp.abs(sums), -1.0)
+  _, keep = lax.top_k(magnitude, k)
+  return sums[keep], unique[keep]
+
+
+def gtopk_indices(
+    values: jax.Array, indices: jax.Array, k: int, size: int, *, axis_name: AxisName
+) -> jax.Array:
+  """Indices of the k largest entries of the global sum (gTop-k, Shi et al. 2019).
+
+  Recursive doubling: in round r each worker exchanges its current k
+  (value, index) pairs with worker ``rank XOR 2^r``, sums duplicates and keeps
+  the top k of the at most 2k entries; after log2(P) rounds every worker holds
+  the same set. When P is not a power of two, the P - P2 workers above the
+  largest power of two P2 first hand their set to ``rank - P2`` and get the
+  result back at the end (two extra messages for those pairs). Each message is
+  k pairs, so a worker sends O(k log P) values instead of the O(kP) of an
+  all-gather.
+
+  The values summed along the way are approximations (a value pruned in an early
+  round is missing from later sums); only the index set is returned, and
+  `gtopk_mean` sends the exact values at those indices.
+
+  Args:
+    values: float[c] this worker's candidate values.
+    indices: int32[c] their indices, padded with the sentinel `size`.
+    k: number of global indices to keep (static).
+    size: length of the dense vector.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    int32[k] indices (sentinel-padded when fewer than k are nonzero), identical
+    on all workers.
+  """
+  values = values.astype(jnp.float32)
+  # Bring the local candidate set to exactly k pairs.
+  values, indices = _merge_topk(
+      _pad(values, k, 0.0), _pad(indices, k, size), k, size)
+  p = num_workers(axis_name)
+  if p == 1:
+    return indices
+  rank = worker_index(axis_name)
+  p2 = 1 << (p.bit_length() - 1)
+  extra = p - p2
+
+  def exchange(v, i, perm, receives):
+    got_v, got_i = _unpack(lax.ppermute(_pack(v, i), axis_name, perm))
+    # ppermute gives zeros to workers outside `perm`; turn those into padding.
+    got_i = jnp.where(receives, got_i, size)
+    got_v = jnp.where(receives, got_v, 0.0)
+    merged_v, merged_i = _merge_topk(
+        jnp.concatenate([v, got_v]), jnp.concatenate([i, got_i]), k, size)
+    return jnp.where(receives, merged_v, v), jnp.where(receives, merged_i, i)
+
+  if extra:
+    values, indices = exchange(
+        values, indices, [(p2 + j, j) for j in range(extra)], rank < extra)
+  for r in range((p2 - 1).bit_length()):
+    bit = 1 << r
+    values, indices = exchange(
+        values, indices, [(j, j ^ bit) for j in range(p2)], rank < p2)
+  if extra:
+    back = lax.ppermute(indices, axis_name, [(j, p2 + j) for j in range(extra)])
+    indices = jnp.where(rank >= p2, back, indices)
+  return indices
+
+
+def gtopk_mean(
+    flat: jax.Array,
+    values: jax.Array,
+    indices: jax.Array,
+    k: int,
+    *,
+    axis_name: AxisName,
+) -> tuple[jax.Array, jax.Array]:
+  """gTop-k aggregation that loses no gradient mass.
+
+  First `gtopk_indices` agrees on the k global indices; then every worker
+  contributes its *full* value at each of those indices (not only the ones it
+  had selected) to one k-element all-reduce. The caller removes exactly those
+  indices from its residual, so ``P * mean + sum(new residuals) == sum(flat)``
+  holds exactly -- unlike the reference tree code, where a value pruned in an
+  intermediate round but whose index survives is dropped from both.
+
+  Args:
+    flat: float[n] this worker's full (residual + gradient) vector.
+    values: float[c] candidate values selected from `flat`.
+    indices: int32[c] their indices, sentinel ``n``.
+    k: number of global indices.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``(mean, sent)``: float32[n] dense mean over workers (identical on all), and
+    int32[k] the indices every worker sent (sentinel-padded).
+  """
+  size = flat.shape[0]
+  sent = gtopk_indices(values, indices, k, size, axis_name=axis_name)
+  local = flat.astype(jnp.float32).at[sent].get(mode="fill", fill_value=0.0)
+  summed = local if axis_name is None else lax.psum(local, axis_name)
+  mean = jnp.zeros((size,), jnp.float32).at[sent].set(
+      summed / num_workers(axis_name), mode="drop")
+  return mean, sent
+
+
+def _pad(x: jax.Array, length: int, fill) -> jax.Array:
+  if x.shape[0] >= length:
+    return x
+  return jnp.concatenate([x, jnp.full((length - x.shape[0],), fill, x.dtype)])

@@ -1,0 +1,245 @@
+"""The machinery shared by every communication transform.
+
+A transform is described by a static `Layout` (which leaves exist, how they are
+grouped), a `Selection` (how a worker picks the values it sends) and a
+collective name. `sparse_exchange` and `dense_exchange` run one step of it on
+flat leaf lists; `transforms.py` wraps them into optax transformations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dlgs_jax import collectives, grouping, selection, wire
+
+SELECTIONS = ("threshold", "layer_topk", "group_topk")
+SPARSE_COLLECTIVES = ("allgather", "gtopk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static description of a parameter tree and its grouping."""
+  treedef: Any
+  paths: tuple[str, ...]           # leaf paths in flatten order
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[Any, ...]
+  groups: tuple[tuple[int, ...], ...]  # flat leaf indices, groups in backward order
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    return tuple(int(np.prod(shape, dtype=np.int64)) for shape in self.shapes)
+
+  def group_size(self, group: int) -> int:
+    return sum(self.sizes[leaf] for leaf in self.groups[group])
+
+
+def make_layout(
+    tree: Any,
+    groups: Optional[Sequence[Sequence[str]]],
+    order: Optional[Sequence[str]],
+    *,
+    single_group: bool = False,
+) -> Layout:
+  """Builds the `Layout` of `tree` (arrays or shape structs).
+
+  Args:
+    tree: the parameter (or gradient) tree.
+    groups: leaf-path groups, or ``None``.
+    order: backward order of the leaf paths, or ``None``.
+    single_group: put every leaf in one group (global top-k methods).
+
+  Raises:
+    ValueError: from `grouping.resolve_groups`, or for an empty tree.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if not leaves:
+    raise ValueError("the parameter tree has no leaves")
+  paths = grouping.leaf_paths(tree)
+  resolved = grouping.resolve_groups(paths, groups, order)
+  if single_group:
+    resolved = [[leaf for group in resolved for leaf in group]]
+  for leaf in leaves:
+    if int(np.prod(leaf.shape, dtype=np.int64)) >= 2**31:
+      raise ValueError(f"a leaf of shape {leaf.shape} is too large for int32 indices")
+  return Layout(
+      treedef=treedef,
+      paths=tuple(paths),
+      shapes=tuple(tuple(leaf.shape) for leaf in leaves),
+      dtypes=tuple(jnp.result_type(leaf) for leaf in leaves),
+      groups=tuple(tuple(group) for group in resolved),
+  )
+
+
+def check_same_tree(layout: Layout, tree: Any, what: str) -> None:
+  """Raises ValueError unless `tree` has the layout's structure and shapes."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if treedef != layout.treedef:
+    raise ValueError(
+        f"{what} do not match the optimizer state: got leaves "
+        f"{grouping.leaf_paths(tree)!r}, the state was built for {list(layout.paths)!r}")
+  for path, leaf, shape in zip(layout.paths, leaves, layout.shapes):
+    if tuple(leaf.shape) != shape:
+      raise ValueError(
+          f"{what}: leaf {path!r} has shape {tuple(leaf.shape)}, the optimizer "
+          f"state was built for {shape}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """How a worker picks the values it sends.
+
+  kind:
+    "threshold": |g| >= H_l per leaf into a buffer of `capacity(leaf)` (DLGS);
+    "layer_topk": exact top-k per leaf (LAGS);
+    "group_topk": exact top-k over each whole group (Top-k, gTop-k).
+  """
+  kind: str
+  density: float
+  capacity_factor: float = 1.0
+
+  def leaf_k(self, size: int) -> int:
+    return selection.num_to_keep(self.density, size)
+
+  def leaf_capacity(self, size: int) -> int:
+    k = self.leaf_k(size)
+    if self.kind == "threshold":
+      return min(size, int(math.ceil(self.capacity_factor * k)))
+    return k
+
+  def group_k(self, layout: Layout, group: int) -> int:
+    """Values the group keeps globally (k of gTop-k)."""
+    if self.kind == "group_topk":
+      return selection.num_to_keep(self.density, layout.group_size(group))
+    return sum(self.leaf_k(layout.sizes[leaf]) for leaf in layout.groups[group])
+
+  def buffer_length(self, layout: Layout, group: int) -> int:
+    """Pairs a worker puts in the group's message before the collective."""
+    if self.kind == "group_topk":
+      return self.group_k(layout, group)
+    return sum(self.leaf_capacity(layout.sizes[leaf]) for leaf in layout.groups[group])
+
+
+def concat_flat(leaves: Sequence[jax.Array]) -> jax.Array:
+  if len(leaves) == 1:
+    return leaves[0].reshape(-1)
+  dtype = jnp.result_type(*leaves)
+  return jnp.concatenate([leaf.reshape(-1).astype(dtype) for leaf in leaves])
+
+
+def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Array]:
+  """Cuts a group's flat vector back into its leaves (leaf index -> array)."""
+  out = {}
+  offset = 0
+  for leaf in layout.groups[group]:
+    size = layout.sizes[leaf]
+    out[leaf] = flat[offset:offset + size].reshape(layout.shapes[leaf])
+    offset += size
+  return out
+
+
+def exact_thresholds(
+    select: Selection, layout: Layout, accumulated: Sequence[jax.Array]
+) -> list[jax.Array]:
+  """H_l = the exact k_l-th largest |g_l| of every leaf (float32 scalars)."""
+  return [selection.kth_largest_abs(g, select.leaf_k(size))
+          for g, size in zip(accumulated, layout.sizes)]
+
+
+def sparse_exchange(
+    layout: Layout,
+    select: Selection,
+    collective: str,
+    accumulated: Sequence[jax.Array],
+    thresholds: Optional[Sequence[jax.Array]],
+    *,
+    axis_name,
+):
+  """One sparse communication step over all groups.
+
+  Args:
+    layout: the static layout.
+    select: the selection rule.
+    collective: "allgather" or "gtopk".
+    accumulated: flat list of g = residual + gradient per leaf.
+    thresholds: H_l per leaf (float32 scalars) for the "threshold" rule.
+    axis_name: the data-parallel axis.
+
+  Returns:
+    ``(means, residuals, selected, passed, bytes_sent, bytes_received)``:
+    leaf lists of the worker mean (float32) and of the new residual, int32
+    arrays [num_groups], and float32 scalars.
+  """
+  workers = collectives.num_workers(axis_name)
+  rank = collectives.worker_index(axis_name)
+  means: list[Any] = [None] * len(layout.paths)
+  residuals: list[Any] = [None] * len(layout.paths)
+  selected, passed = [], []
+  bytes_sent = jnp.zeros((), jnp.float32)
+  bytes_received = jnp.zeros((), jnp.float32)
+  for group, leaves in enumerate(layout.groups):
+    size = layout.group_size(group)
+    flat = concat_flat([accumulated[leaf] for leaf in leaves])
+    if select.kind == "group_topk":
+      indices = selection.topk_indices(flat, select.group_k(layout, group))
+      group_passed = jnp.asarray(indices.shape[0], jnp.int32)
+    else:
+      parts, group_passed, offset = [], jnp.zeros((), jnp.int32), 0
+      for leaf in leaves:
+        leaf_size = layout.sizes[leaf]
+        if select.kind == "threshold":
+          local, leaf_passed = selection.threshold_indices(
+              accumulated[leaf], thresholds[leaf], select.leaf_capacity(leaf_size))
+        else:
+          local = selection.topk_indices(accumulated[leaf], select.leaf_k(leaf_size))
+          leaf_passed = jnp.asarray(local.shape[0], jnp.int32)
+        parts.append(jnp.where(local < leaf_size, local + offset, size))
+        group_passed = group_passed + leaf_passed
+        offset += leaf_size
+      indices = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    values = flat.at[indices].get(mode="fill", fill_value=0)
+    if collective == "allgather":
+      mean = collectives.sparse_allgather_mean(values, indices, size, axis_name=axis_name)
+      sent = indices
+      sent_bytes = received_bytes = wire.allgather_bytes(indices.shape[0], workers)
+    else:
+      k = select.group_k(layout, group)
+      mean, sent = collectives.gtopk_mean(flat, values, indices, k, axis_name=axis_name)
+      sent_bytes, received_bytes = wire.gtopk_bytes(k, workers, rank)
+    residual = flat.at[sent].set(0, mode="drop")
+    means_group = split_flat(layout, group, mean)
+    residual_group = split_flat(layout, group, residual)
+    for leaf in leaves:
+      means[leaf] = means_group[leaf]
+      residuals[leaf] = residual_group[leaf].astype(accumulated[leaf].dtype)
+    selected.append(selection.count_valid(sent, size))
+    passed.append(group_passed)
+    bytes_sent = bytes_sent + sent_bytes
+    bytes_received = bytes_received + received_bytes
+  return (means, residuals, jnp.stack(selected), jnp.stack(passed),
+          bytes_sent, bytes_received)
+
+
+def dense_exchange(layout: Layout, updates: Sequence[jax.Array], *, axis_name):
+  """Mean all-reduce with tensor fusion: one collective per group.
+
+  Returns:
+    ``(means, bytes_sent, bytes_received)``.
+  """
+  workers = collectives.num_workers(axis_name)
+  means: list[Any] = [None] * len(layout.paths)
+  total_bytes = 0.0
+  for group, leaves in enumerate(layout.groups):
+    flat = concat_flat([updates[leaf] for leaf in leaves])
+    mean = collectives.dense_mean(flat, axis_name=axis_name)
+    for leaf, value in split_flat(layout, group, mean).items():
+      means[leaf] = value
+    total_bytes += wire.allreduce_bytes(flat.shape[0], workers, flat.dtype.itemsize)
+  sent = jnp.asarray(total_bytes, jnp.float32)
+  return means, sent, sent

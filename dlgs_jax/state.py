@@ -1,0 +1,80 @@
+"""Optimizer states of the communication transforms, and reading their statistics."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class CommStats(NamedTuple):
+  """What one worker communicated in the last step (for logging)."""
+  bytes_sent: jax.Array      # float32[]: bytes this worker put on the wire
+  bytes_received: jax.Array  # float32[]: bytes this worker took off the wire
+  selected: jax.Array        # int32[num_groups]: values this worker sent per group
+  passed: jax.Array          # int32[num_groups]: values that met the selection rule (> selected when a buffer overflowed)
+  skipped: jax.Array         # int32[]: steps skipped so far because a gradient was not finite
+
+
+class DLGSState(NamedTuple):
+  """State of `dlgs` (Ju et al. 2024, Algorithm 1)."""
+  count: jax.Array   # int32[]: steps taken (skipped steps not counted)
+  residuals: Any     # params-shaped tree, gradient dtype: error feedback e, what was not sent yet
+  thresholds: Any    # params-structured tree of float32[]: H_l per leaf, exact every `reuse_every` steps
+  stats: CommStats
+
+
+class SparseState(NamedTuple):
+  """State of `lags`, `topk` and `gtopk`."""
+  count: jax.Array   # int32[]: steps taken (skipped steps not counted)
+  residuals: Any     # params-shaped tree, gradient dtype: error feedback e
+  stats: CommStats
+
+
+class DenseState(NamedTuple):
+  """State of `dense`."""
+  count: jax.Array   # int32[]: steps taken (skipped steps not counted)
+  stats: CommStats
+
+
+def empty_stats(num_groups: int) -> CommStats:
+  return CommStats(
+      bytes_sent=jnp.zeros((), jnp.float32),
+      bytes_received=jnp.zeros((), jnp.float32),
+      selected=jnp.zeros((num_groups,), jnp.int32),
+      passed=jnp.zeros((num_groups,), jnp.int32),
+      skipped=jnp.zeros((), jnp.int32),
+  )
+
+
+def comm_stats(opt_state: Any) -> Optional[CommStats]:
+  """Finds the `CommStats` inside any optimizer state (e.g. of an `optax.chain`).
+
+  Args:
+    opt_state: the state of a transform tree containing one of this library's
+      transforms, possibly wrapped (chain, MultiSteps, ...).
+
+  Returns:
+    The first `CommStats` found, or ``None``.
+  """
+  found = jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, CommStats))
+  for leaf in found:
+    if isinstance(leaf, CommStats):
+      return leaf
+  return None
+
+
+def stats_summary(stats: CommStats) -> dict[str, float]:
+  """Plain-Python numbers for a log line (averaged over a leading worker axis, if any)."""
+  def scalar(x):
+    return float(np.mean(np.asarray(x)))
+  return {
+      "bytes_sent": scalar(stats.bytes_sent),
+      "bytes_received": scalar(stats.bytes_received),
+      "selected": float(np.mean(np.asarray(stats.selected).sum(axis=-1))),
+      "passed": float(np.mean(np.asarray(stats.passed).sum(axis=-1))),
+      "skipped": float(np.max(np.asarray(stats.skipped))),
+  }

@@ -1,0 +1,62 @@
+"""Bytes each worker puts on (and takes off) the wire for each collective.
+
+One place for the traffic model, used both by the transforms' per-step
+statistics and by the planner's communication-cost model. The counts assume the
+bandwidth-optimal algorithms NCCL and gloo use: a ring all-reduce sends
+2(P-1)/P of the data per worker; a ring all-gather forwards P-1 chunks.
+Values are float32 and indices int32, so a sparse pair is 8 bytes.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+PAIR_BYTES = 8  # float32 value + int32 index
+
+
+def allreduce_bytes(num_values: int, workers: int, itemsize: int = 4) -> float:
+  """Bytes sent (= received) per worker by a ring all-reduce of `num_values`."""
+  if workers <= 1:
+    return 0.0
+  return 2.0 * (workers - 1) / workers * num_values * itemsize
+
+
+def allgather_bytes(num_pairs: int, workers: int) -> float:
+  """Bytes sent (= received) per worker by a ring all-gather of `num_pairs` pairs each."""
+  if workers <= 1:
+    return 0.0
+  return float((workers - 1) * num_pairs * PAIR_BYTES)
+
+
+def gtopk_bytes(k: int, workers: int, rank=None):
+  """Bytes (sent, received) by one worker in `collectives.gtopk_mean`.
+
+  Args:
+    k: pairs per message.
+    workers: P.
+    rank: this worker's index (int or traced int32); ``None`` gives the busiest
+      worker's count, the one on the critical path.
+
+  Returns:
+    ``(sent, received)`` as floats, or float32 arrays when `rank` is traced.
+  """
+  if workers <= 1:
+    return 0.0, 0.0
+  p2 = 1 << (workers.bit_length() - 1)
+  extra = workers - p2
+  rounds = (p2 - 1).bit_length()
+  message = k * PAIR_BYTES
+  reduce = allreduce_bytes(k, workers)  # exact values at the agreed indices
+  if rank is None:
+    # Ranks below `extra` receive the handed-over set and send the result back.
+    busiest_sent = rounds * message + (extra > 0) * 4 * k + reduce
+    busiest_received = rounds * message + (extra > 0) * message + reduce
+    return float(busiest_sent), float(busiest_received)
+  rank = jnp.asarray(rank)
+  in_doubling = rank < p2
+  helps_extra = rank < extra
+  sent = (jnp.where(in_doubling, rounds * message, message)
+          + jnp.where(helps_extra, 4 * k, 0) + reduce)
+  received = (jnp.where(in_doubling, rounds * message, 4 * k)
+              + jnp.where(helps_extra, message, 0) + reduce)
+  return sent.astype(jnp.float32), received.astype(jnp.float32)

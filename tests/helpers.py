@@ -1,0 +1,61 @@
+"""Running a transform on P simulated workers and checking what it did."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from dlgs_jax import parallel
+
+
+def worker_mesh(workers: int):
+  return parallel.data_mesh(workers)
+
+
+def run_steps(tx, params, grads_per_step, workers, *, state=None):
+  """Applies `tx` for each gradient set in `grads_per_step` on `workers` workers.
+
+  Args:
+    tx: transform built with axis_name="data".
+    params: parameter tree (only shapes/dtypes matter to the transforms).
+    grads_per_step: list of trees of arrays shaped (workers, *leaf_shape).
+    workers: P.
+    state: per-worker state to start from (default: tx.init stacked).
+
+  Returns:
+    (list of per-step updates as NumPy trees with a worker axis, final
+    per-worker state as NumPy, list of per-step states as NumPy).
+  """
+  mesh = worker_mesh(workers)
+  if state is None:
+    state = parallel.stack_per_worker(tx.init(params), mesh)
+
+  def step(g, s):
+    u, s = tx.update(parallel.squeeze(g), parallel.squeeze(s))
+    return parallel.unsqueeze(u), parallel.unsqueeze(s)
+
+  spec = P("data")
+  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
+  updates, states = [], []
+  for grads in grads_per_step:
+    u, state = fn(parallel.shard_batch(grads, mesh), state)
+    updates.append(jax.tree_util.tree_map(np.asarray, u))
+    states.append(jax.tree_util.tree_map(np.asarray, state))
+  return updates, states[-1], states
+
+
+def random_grads(params, workers, rng, scale=1.0):
+  return jax.tree_util.tree_map(
+      lambda x: (scale * rng.standard_normal((workers,) + x.shape)).astype(np.float32), params)
+
+
+def flat(tree):
+  return np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree_util.tree_leaves(tree)])
+
+
+def flat_workers(tree):
+  """(workers, total) from a tree of (workers, ...) arrays."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  w = leaves[0].shape[0]
+  return np.concatenate([np.asarray(x).reshape(w, -1) for x in leaves], axis=1)
