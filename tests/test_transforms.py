@@ -1,0 +1,359 @@
+"""Invariants of the communication transforms on 8 simulated CPU workers."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dlgs_jax
+from dlgs_jax import grouping, parallel
+from tests.helpers import flat, flat_workers, random_grads, run_steps
+
+PARAMS = {
+    "conv": {"kernel": jnp.zeros((3, 3, 2, 4)), "bias": jnp.zeros((4,))},
+    "dense": {"kernel": jnp.zeros((16, 10)), "bias": jnp.zeros((10,))},
+}
+ORDER = ["dense/bias", "dense/kernel", "conv/bias", "conv/kernel"]
+W = 8
+
+
+def methods(density, **kw):
+  return {
+      "dlgs": dlgs_jax.dlgs(density, axis_name="data", reuse_every=3, **kw),
+      "dlgs_grouped": dlgs_jax.dlgs(
+          density, axis_name="data", reuse_every=3, order=ORDER,
+          groups=[ORDER[:2], ORDER[2:]], **kw),
+      "dlgs_gtopk": dlgs_jax.dlgs(
+          density, axis_name="data", collective="gtopk", groups=[ORDER[:3], ORDER[3:]],
+          order=ORDER, **kw),
+      "lags": dlgs_jax.lags(density, axis_name="data", **kw),
+      "lags_gtopk": dlgs_jax.lags(density, axis_name="data", collective="gtopk", **kw),
+      "topk": dlgs_jax.topk(density, axis_name="data", **kw),
+      "gtopk": dlgs_jax.gtopk(density, axis_name="data", **kw),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(methods(0.1)))
+@pytest.mark.parametrize("density", [0.05, 0.3])
+def test_nothing_lost_and_identical_updates(name, density):
+  """P * update + sum_w e_new[w] == sum_w (grad[w] + e_old[w]), every step."""
+  tx = methods(density)[name]
+  rng = np.random.default_rng(0)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(5)]
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  old_residual = np.zeros_like(flat_workers(steps[0]))
+  for grads, update, state in zip(steps, updates, states):
+    u = flat_workers(update)
+    for w in range(1, W):
+      np.testing.assert_array_equal(u[w], u[0])  # bit-identical on all workers
+    new_residual = flat_workers(state.residuals)
+    np.testing.assert_allclose(
+        W * u[0] + new_residual.sum(0),
+        (flat_workers(grads) + old_residual).sum(0), rtol=1e-5, atol=1e-5)
+    assert np.count_nonzero(u[0]) > 0
+    old_residual = new_residual
+
+
+@pytest.mark.parametrize("name", sorted(methods(1.0)))
+def test_density_one_equals_dense_mean(name):
+  rng = np.random.default_rng(1)
+  grads = random_grads(PARAMS, W, rng)
+  (update,), state, _ = run_steps(methods(1.0)[name], PARAMS, [grads], W)
+  (dense_update,), _, _ = run_steps(dlgs_jax.dense(axis_name="data"), PARAMS, [grads], W)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(grads).mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(dense_update)[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(flat_workers(state.residuals), 0.0, atol=1e-6)
+
+
+def test_dense_fused_groups_equal_mean_and_use_one_collective_per_group():
+  rng = np.random.default_rng(2)
+  grads = random_grads(PARAMS, W, rng)
+  tx = dlgs_jax.dense(axis_name="data", groups=[ORDER], order=ORDER)
+  (update,), state, _ = run_steps(tx, PARAMS, [grads], W)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(grads).mean(0), rtol=1e-5, atol=1e-6)
+  # One fused all-reduce, plus one for the non-finite flag unless disabled.
+  assert count_collectives(tx, "psum") == 2
+  assert count_collectives(dlgs_jax.dense(
+      axis_name="data", groups=[ORDER], order=ORDER, skip_nonfinite=False), "psum") == 1
+  assert count_collectives(dlgs_jax.dense(axis_name="data", order=ORDER), "psum") == 5
+  total = sum(x.size for x in jax.tree_util.tree_leaves(PARAMS))
+  assert state.stats.bytes_sent[0] == pytest.approx(2 * (W - 1) / W * total * 4)
+
+
+def count_collectives(tx, primitive):
+  """Number of `primitive` equations in one traced update on W workers."""
+  mesh = parallel.data_mesh(W)
+  state = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((W,) + x.shape, x.dtype), jax.eval_shape(tx.init, PARAMS))
+  grads = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((W,) + x.shape, x.dtype), PARAMS)
+  spec = jax.sharding.PartitionSpec("data")
+
+  def step(g, s):
+    u, s = tx.update(parallel.squeeze(g), parallel.squeeze(s))
+    return parallel.unsqueeze(u), parallel.unsqueeze(s)
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))
+  text = str(jax.make_jaxpr(fn)(grads, state))
+  # psum prints as psum or psum_invariant depending on its operand's type.
+  return len(re.findall(rf" {primitive}(_invariant)?\[", text))
+
+
+@pytest.mark.parametrize("groups,expected", [
+    (None, 4), ([ORDER[:2], ORDER[2:]], 2), ([ORDER], 1)])
+def test_one_collective_per_group(groups, expected):
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", groups=groups, order=ORDER)
+  assert count_collectives(tx, "all_gather") == expected
+  gtx = dlgs_jax.dlgs(0.1, axis_name="data", groups=groups, order=ORDER, collective="gtopk")
+  assert count_collectives(gtx, "all_gather") == 0
+  # log2(8) = 3 exchanges per group, and one k-value psum per group (plus the finite flag).
+  assert count_collectives(gtx, "ppermute") == 3 * expected
+  assert count_collectives(gtx, "psum") == expected + 1
+
+
+def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
+  reuse = 3
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=reuse)
+  rng = np.random.default_rng(3)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(7)]
+  _, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  previous = None
+  for step, (grads, state) in enumerate(zip(steps, states)):
+    thresholds = state.thresholds
+    accumulated = jax.tree_util.tree_map(np.add, residual, grads)
+    for path_thr, acc in zip(jax.tree_util.tree_leaves(thresholds), jax.tree_util.tree_leaves(accumulated)):
+      for w in range(W):
+        if step % reuse == 0:
+          k = max(1, int(np.ceil(0.1 * acc[w].size)))
+          assert path_thr[w] == np.sort(np.abs(acc[w]).ravel())[::-1][k - 1]
+    if step % reuse != 0:
+      for a, b in zip(jax.tree_util.tree_leaves(thresholds), jax.tree_util.tree_leaves(previous)):
+        np.testing.assert_array_equal(a, b)
+    else:
+      assert previous is None or any(
+          not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(thresholds),
+                                                   jax.tree_util.tree_leaves(previous)))
+    previous = thresholds
+    residual = state.residuals
+  assert states[-1].count[0] == len(steps)
+
+
+def test_dlgs_reused_threshold_respects_capacity_and_counts_overflow():
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=100)
+  rng = np.random.default_rng(4)
+  first = random_grads(PARAMS, W, rng)
+  # Larger later gradients pass the stale threshold far more often than k.
+  later = random_grads(PARAMS, W, rng, scale=10.0)
+  _, state, states = run_steps(tx, PARAMS, [first, later], W)
+  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
+  capacity = sum(max(1, int(np.ceil(0.1 * s))) for s in sizes)
+  assert states[0].stats.selected[0].sum() == capacity
+  assert state.stats.selected[0].sum() == capacity
+  assert state.stats.passed[0].sum() > capacity
+
+
+@pytest.mark.parametrize("name", ["topk", "gtopk"])
+def test_identical_gradients_select_exact_topk(name):
+  rng = np.random.default_rng(5)
+  one = random_grads(PARAMS, 1, rng)
+  grads = jax.tree_util.tree_map(lambda x: np.repeat(x, W, axis=0), one)
+  tx = methods(0.1)[name]
+  (update,), _, _ = run_steps(tx, PARAMS, [grads], W)
+  g = flat_workers(one)[0]
+  k = int(np.ceil(0.1 * g.size))
+  want_idx = np.argsort(-np.abs(g))[:k]
+  u = flat_workers(update)[0]
+  assert set(np.flatnonzero(u)) == set(want_idx)
+  np.testing.assert_allclose(u[want_idx], g[want_idx], rtol=1e-6)
+
+
+def numpy_allgather_sparse_step(grads, residual, density, per_leaf_k):
+  """NumPy reference of one LAGS step (exact per-leaf top-k, all-gather, mean)."""
+  leaves_g = [np.asarray(x) for x in jax.tree_util.tree_leaves(grads)]
+  leaves_e = [np.asarray(x) for x in jax.tree_util.tree_leaves(residual)]
+  means, new_res = [], []
+  for g, e in zip(leaves_g, leaves_e):
+    acc = (g + e).reshape(W, -1)
+    k = per_leaf_k(acc.shape[1])
+    total = np.zeros(acc.shape[1])
+    res = acc.copy()
+    for w in range(W):
+      idx = np.argsort(-np.abs(acc[w]))[:k]
+      total[idx] += acc[w, idx]
+      res[w, idx] = 0
+    means.append(total / W)
+    new_res.append(res)
+  return np.concatenate(means), np.concatenate(new_res, axis=1)
+
+
+def test_lags_matches_numpy_reference_over_steps():
+  tx = dlgs_jax.lags(0.2, axis_name="data")
+  rng = np.random.default_rng(6)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  for grads, update, state in zip(steps, updates, states):
+    mean, new_res = numpy_allgather_sparse_step(
+        grads, residual, 0.2, lambda n: max(1, int(np.ceil(0.2 * n))))
+    np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
+    residual = state.residuals
+
+
+def test_dlgs_with_reuse_one_equals_lags():
+  rng = np.random.default_rng(7)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
+  a, _, _ = run_steps(dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1), PARAMS, steps, W)
+  b, _, _ = run_steps(dlgs_jax.lags(0.2, axis_name="data"), PARAMS, steps, W)
+  for x, y in zip(a, b):
+    np.testing.assert_allclose(flat_workers(x), flat_workers(y), rtol=1e-6, atol=1e-7)
+
+
+def test_single_worker_axis_none():
+  tx = dlgs_jax.dlgs(0.1, reuse_every=2)
+  rng = np.random.default_rng(8)
+  g = jax.tree_util.tree_map(lambda x: x[0], random_grads(PARAMS, 1, rng))
+  state = tx.init(PARAMS)
+  update, new_state = jax.jit(tx.update)(g, state)
+  np.testing.assert_allclose(flat(update) + flat(new_state.residuals), flat(g), rtol=1e-6)
+  assert float(new_state.stats.bytes_sent) == 0.0
+  assert 0 < np.count_nonzero(flat(update)) <= sum(
+      int(np.ceil(0.1 * x.size)) for x in jax.tree_util.tree_leaves(PARAMS))
+
+
+def test_stats_report_bytes_and_selection():
+  rng = np.random.default_rng(9)
+  grads = random_grads(PARAMS, W, rng)
+  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
+  ks = [max(1, int(np.ceil(0.05 * s))) for s in sizes]
+  (_, ), state, _ = run_steps(dlgs_jax.lags(0.05, axis_name="data"), PARAMS, [grads], W)
+  assert state.stats.bytes_sent[0] == (W - 1) * sum(ks) * 8
+  assert state.stats.bytes_received[0] == (W - 1) * sum(ks) * 8
+  assert state.stats.selected[0].sum() == sum(ks)
+  summary = dlgs_jax.stats_summary(dlgs_jax.comm_stats((optax.EmptyState(), state)))
+  assert summary["bytes_sent"] == (W - 1) * sum(ks) * 8 and summary["selected"] == sum(ks)
+
+
+@pytest.mark.parametrize("name", ["dlgs", "gtopk", "topk"])
+def test_nonfinite_gradient_skips_step_and_keeps_residuals(name):
+  tx = methods(0.1)[name]
+  rng = np.random.default_rng(10)
+  good = random_grads(PARAMS, W, rng)
+  bad = random_grads(PARAMS, W, rng)
+  bad["dense"]["kernel"][3, 0, 0] = np.nan  # only worker 3 sees it
+  also_bad = random_grads(PARAMS, W, rng)
+  also_bad["conv"]["bias"][0, 1] = np.inf
+  updates, _, states = run_steps(tx, PARAMS, [good, bad, also_bad, good], W)
+  for i in (1, 2):
+    assert np.all(flat_workers(updates[i]) == 0.0)
+    np.testing.assert_array_equal(flat_workers(states[i].residuals), flat_workers(states[0].residuals))
+    assert np.all(states[i].count == 1)
+    assert np.all(np.isfinite(flat_workers(states[i].residuals)))
+  assert np.all(states[2].stats.skipped == 2)
+  assert np.all(states[3].count == 2)
+  # The step after the skipped ones is the step that would have followed the first.
+  expected, _, _ = run_steps(tx, PARAMS, [good, good], W)
+  np.testing.assert_array_equal(flat_workers(updates[3]), flat_workers(expected[1]))
+
+
+def train_toy(tx, steps=60):
+  """Linear regression on 8 workers; returns the loss curve."""
+  rng = np.random.default_rng(11)
+  true_w = rng.standard_normal((16, 4)).astype(np.float32)
+  xs = rng.standard_normal((steps, W, 8, 16)).astype(np.float32)
+  ys = xs @ true_w
+  params = {"w": jnp.zeros((16, 4)), "b": jnp.zeros((4,))}
+  mesh = parallel.data_mesh(W)
+  spec = jax.sharding.PartitionSpec("data")
+
+  def loss_fn(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  def step(p, s, x, y):
+    loss, g = jax.value_and_grad(loss_fn)(p, x[0], y[0])
+    u, s = tx.update(g, parallel.squeeze(s), p)
+    return optax.apply_updates(p, u), parallel.unsqueeze(s), jax.lax.pmean(loss, "data")
+
+  fn = jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), spec, spec, spec),
+      out_specs=(jax.sharding.PartitionSpec(), spec, jax.sharding.PartitionSpec()),
+      check_vma=False))
+  p = parallel.replicate(params, mesh)
+  s = parallel.stack_per_worker(tx.init(params), mesh)
+  losses = []
+  for t in range(steps):
+    p, s, loss = fn(p, s, *parallel.shard_batch((xs[t], ys[t]), mesh))
+    losses.append(float(loss))
+  return losses
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(dlgs_jax.dlgs(0.25, axis_name="data"), optax.sgd(0.05, momentum=0.9)),
+    lambda: optax.chain(dlgs_jax.gtopk(0.25, axis_name="data"), optax.adam(0.05)),
+    lambda: optax.chain(dlgs_jax.lags(0.25, axis_name="data"), optax.add_decayed_weights(1e-4),
+                        optax.sgd(0.05, momentum=0.9)),
+    lambda: optax.MultiSteps(
+        optax.chain(dlgs_jax.dlgs(0.25, axis_name="data"), optax.sgd(0.05)), every_k_schedule=2),
+], ids=["dlgs+sgd_momentum", "gtopk+adam", "lags+weight_decay+sgd", "multisteps(dlgs+sgd)"])
+def test_composes_with_optax_and_trains(make):
+  losses = train_toy(make())
+  assert losses[-1] < 0.25 * losses[0], losses[::10]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"density": 0.0}, "density"), ({"density": 1.5}, "density"),
+    ({"density": float("nan")}, "density"), ({"density": "0.1"}, "density"),
+    ({"density": 0.1, "reuse_every": 0}, "reuse_every"),
+    ({"density": 0.1, "reuse_every": 2.5}, "reuse_every"),
+    ({"density": 0.1, "collective": "ring"}, "ring"),
+    ({"density": 0.1, "capacity_factor": 0.5}, "capacity_factor"),
+    ({"density": 0.1, "groups": "dense/bias"}, "dense/bias"),
+])
+def test_bad_arguments_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    dlgs_jax.dlgs(**kwargs)
+
+
+@pytest.mark.parametrize("factory", [dlgs_jax.lags, dlgs_jax.topk, dlgs_jax.gtopk])
+def test_bad_density_raises_for_every_method(factory):
+  with pytest.raises(ValueError, match="-0.1"):
+    factory(-0.1)
+
+
+@pytest.mark.parametrize("groups,order,match", [
+    ([ORDER[:2], ORDER[3:]], ORDER, "conv/bias"),               # misses a leaf
+    ([ORDER[:2], ORDER[1:]], ORDER, "dense/kernel"),           # repeats one
+    ([[ORDER[0], ORDER[2]], [ORDER[1], ORDER[3]]], ORDER, "contiguous"),
+    ([ORDER[:2], ORDER[2:], ["conv/weight"]], ORDER, "conv/weight"),
+    ([ORDER[2:], ORDER[:2]], ORDER, "backward order"),
+])
+def test_bad_groups_raise_at_init(groups, order, match):
+  for tx in (dlgs_jax.dlgs(0.1, groups=groups, order=order),
+             dlgs_jax.dense(groups=groups, order=order)):
+    with pytest.raises(ValueError, match=match):
+      tx.init(PARAMS)
+
+
+def test_tree_that_does_not_match_state_raises():
+  tx = dlgs_jax.dlgs(0.1)
+  state = tx.init(PARAMS)
+  other = {"conv": PARAMS["conv"]}
+  with pytest.raises(ValueError, match="conv/bias"):
+    tx.update(other, state)
+  reshaped = jax.tree_util.tree_map(lambda x: x, PARAMS)
+  reshaped["dense"]["bias"] = jnp.zeros((11,))
+  with pytest.raises(ValueError, match=r"dense/bias.*\(11,\)"):
+    tx.update(reshaped, state)
+
+
+def test_plan_like_object_is_accepted():
+  class Plan:
+    groups = [ORDER[:3], ORDER[3:]]
+    order = ORDER
+
+  state = dlgs_jax.dlgs(0.1, groups=Plan()).init(PARAMS)
+  assert state.stats.selected.shape == (2,)
+  assert grouping.resolve_groups(grouping.leaf_paths(PARAMS), Plan.groups, ORDER)[0] == [2, 3, 0]
