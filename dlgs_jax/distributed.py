@@ -1,0 +1,94 @@
+"""Starting JAX's multi-process runtime (`jax.distributed`) from flags or environment.
+
+JAX's own `jax.distributed` is the distributed engine; this module only finds
+its three settings -- coordinator address, process count, process id -- from
+explicit arguments, then ``DLGS_COORDINATOR_ADDRESS`` / ``DLGS_NUM_PROCESSES`` /
+``DLGS_PROCESS_ID``, then SLURM (which JAX detects itself), and turns on gloo
+collectives for CPU runs. A run with one process needs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+
+ENV_COORDINATOR = "DLGS_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "DLGS_NUM_PROCESSES"
+ENV_PROCESS_ID = "DLGS_PROCESS_ID"
+ENV_LOCAL_DEVICES = "DLGS_LOCAL_DEVICES"
+
+
+def _env_int(name: str) -> Optional[int]:
+  value = os.environ.get(name)
+  if value in (None, ""):
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def in_slurm_job() -> bool:
+  return "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ
+
+
+def initialize(
+    coordinator_address: Optional[str] = None,
+    num_processes: Optional[int] = None,
+    process_id: Optional[int] = None,
+    *,
+    local_cpu_devices: Optional[int] = None,
+    platform: Optional[str] = None,
+) -> None:
+  """Starts `jax.distributed` when more than one process takes part.
+
+  Must run before anything touches a JAX device.
+
+  Args:
+    coordinator_address: "host:port" of process 0's coordinator service.
+    num_processes: total number of processes.
+    process_id: this process's id in [0, num_processes).
+    local_cpu_devices: simulated CPU devices in this process (CPU runs only;
+      default ``DLGS_LOCAL_DEVICES`` or JAX's default of one).
+    platform: "cpu" forces gloo CPU collectives; default: from ``JAX_PLATFORMS``.
+
+  Raises:
+    ValueError: when the settings are incomplete or inconsistent.
+  """
+  coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
+  num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+  process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+  local_cpu_devices = (local_cpu_devices if local_cpu_devices is not None
+                       else _env_int(ENV_LOCAL_DEVICES))
+  platform = platform or os.environ.get("JAX_PLATFORMS", "").split(",")[0] or None
+
+  if local_cpu_devices is not None:
+    if local_cpu_devices < 1:
+      raise ValueError(f"local_cpu_devices must be >= 1, got {local_cpu_devices!r}")
+    jax.config.update("jax_num_cpu_devices", local_cpu_devices)
+
+  explicit = coordinator_address is not None or num_processes is not None or process_id is not None
+  if not explicit and not in_slurm_job():
+    return  # a single process: nothing to start
+  if explicit:
+    if num_processes is None or num_processes < 1:
+      raise ValueError(f"num_processes must be >= 1, got {num_processes!r}")
+    if num_processes == 1 and coordinator_address is None:
+      return
+    if coordinator_address is None or ":" not in coordinator_address:
+      raise ValueError(
+          f"coordinator_address must be 'host:port', got {coordinator_address!r} "
+          f"(set --coordinator or {ENV_COORDINATOR})")
+    if process_id is None or not 0 <= process_id < num_processes:
+      raise ValueError(
+          f"process_id must be in [0, {num_processes}), got {process_id!r} "
+          f"(set --process-id or {ENV_PROCESS_ID})")
+  if platform in (None, "cpu"):
+    # gloo only matters for CPU collectives; GPU runs use NCCL regardless.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if explicit:
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  else:
+    jax.distributed.initialize()  # JAX reads SLURM's variables itself
