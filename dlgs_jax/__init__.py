@@ -12,6 +12,7 @@ from dlgs_jax.grouping import backward_order, leaf_paths
 from dlgs_jax.state import (CommStats, DenseState, DLGSState, SparseState,
                             comm_stats, stats_summary)
 from dlgs_jax.transforms import dense, dlgs, gtopk, lags, topk
+from dlgs_jax import wire
 
 __version__ = "0.1.0"
 

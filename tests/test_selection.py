@@ -57,3 +57,37 @@ def test_threshold_at_exact_kth_selects_exactly_k():
   got, passed = jax.jit(selection.threshold_indices, static_argnums=2)(x, h, k)
   assert int(passed) == k
   assert set(np.asarray(got)) == set(np.argsort(-np.abs(x))[:k])
+
+
+@pytest.mark.parametrize("size,k", [(100_000, 1000), (100_000, 1), (70_001, 700), (50_000, 6000)])
+def test_sampled_kth_largest_is_exact_on_large_inputs(size, k):
+  rng = np.random.default_rng(size + k)
+  x = rng.standard_normal(size).astype(np.float32)
+  want = np.sort(np.abs(x))[::-1][k - 1]
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(x, k)) == want
+
+
+def test_sampled_kth_largest_falls_back_when_estimate_misses():
+  # Mostly zeros: the sample sees no nonzero value, the buffer path finds fewer
+  # than k candidates and the full sort must answer.
+  x = np.zeros(200_000, np.float32)
+  x[::997] = np.arange(1, x[::997].size + 1)
+  k = 150
+  want = np.sort(np.abs(x))[::-1][k - 1]
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(x, k)) == want
+  # Heavy ties: many more than 4k values equal the k-th largest.
+  y = np.ones(100_000, np.float32)
+  y[:10] = 5.0
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(y, 500)) == 1.0
+
+
+@pytest.mark.parametrize("size", [31, 32, 33, 1000, 4099])
+def test_threshold_indices_word_packing_edges(size):
+  rng = np.random.default_rng(size)
+  x = rng.standard_normal(size).astype(np.float32)
+  for threshold, capacity in ((0.3, size), (1.0, max(1, size // 3)), (10.0, 5)):
+    got, passed = jax.jit(selection.threshold_indices, static_argnums=2)(
+        x, jnp.float32(threshold), capacity)
+    want, want_passed = reference_threshold(x, threshold, capacity)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert int(passed) == want_passed
