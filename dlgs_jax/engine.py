@@ -144,12 +144,21 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
   return out
 
 
-def exact_thresholds(
-    select: Selection, layout: Layout, accumulated: Sequence[jax.Array]
+def step_thresholds(
+    select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
+    previous: Sequence[jax.Array], recompute: jax.Array,
 ) -> list[jax.Array]:
-  """H_l = the exact k_l-th largest |g_l| of every leaf (float32 scalars)."""
-  return [selection.kth_largest_abs(g, select.leaf_k(size))
-          for g, size in zip(accumulated, layout.sizes)]
+  """H_l per leaf: the exact k_l-th largest |g_l| when `recompute`, else `previous`.
+
+  One `lax.cond` per leaf rather than one around all leaves: on CPU a single
+  conditional over every gradient copies its operands, which costs more than
+  the reuse step it guards.
+  """
+  return [
+      lax.cond(recompute,
+               lambda g=g, size=size: selection.kth_largest_abs(g, select.leaf_k(size)),
+               lambda h=h: h)
+      for g, h, size in zip(accumulated, previous, layout.sizes)]
 
 
 def sparse_exchange(

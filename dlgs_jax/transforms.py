@@ -140,10 +140,8 @@ def _sparse_transform(
     def communicate(_):
       thresholds = old_thresholds
       if with_thresholds:
-        thresholds = lax.cond(
-            state.count % reuse_every == 0,
-            lambda: engine.exact_thresholds(select, layout, accumulated),
-            lambda: list(old_thresholds))
+        thresholds = engine.step_thresholds(
+            select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
       means, residuals, selected, passed, sent, received = engine.sparse_exchange(
           layout, select, collective, accumulated, thresholds, axis_name=axis_name)
       stats = CommStats(sent, received, selected, passed, state.stats.skipped)

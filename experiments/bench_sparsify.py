@@ -1,0 +1,172 @@
+"""Per-step cost of choosing what to send: DLGS vs LAGS vs global Top-k (CPU).
+
+On the real leaf shapes of ResNet-20, VGG16 (CIFAR) and ResNet-50, at density
+0.1 and 0.01, times under `jax.jit` on random gradients:
+
+* ``dlgs``: DLGS selection amortised over ``reuse_every`` steps -- one step
+  computes every leaf's exact threshold, the others reuse it; each step then
+  selects ``|g| >= H`` into the fixed-capacity buffers (also reported: the
+  exact and the reuse step alone);
+* ``lags``: exact ``lax.top_k`` of every leaf, every step;
+* ``topk``: one ``lax.top_k`` over all leaves concatenated;
+* ``*_update``: the whole transform update on one worker (residual add,
+  selection, gather, scatter back, new residual), for context.
+
+Prints a table of medians (ms) and ratios, and writes JSON.
+
+    python experiments/bench_sparsify.py [--models vgg16 resnet50] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dlgs_jax
+from dlgs_jax import engine, models, selection
+
+
+def median_ms(fn, repeats: int) -> float:
+  """Median wall time of fn() in ms after one warm-up call (compilation)."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times) * 1e3)
+
+
+def make_selectors(params, density, reuse_every):
+  layout = engine.make_layout(params, None, None)
+  sizes = layout.sizes
+  select = engine.Selection("threshold", density)
+  ks = [select.leaf_k(n) for n in sizes]
+  caps = [select.leaf_capacity(n) for n in sizes]
+
+  @jax.jit
+  def dlgs_step(leaves, thresholds, count):
+    thresholds = engine.step_thresholds(
+        select, layout, leaves, thresholds, count % reuse_every == 0)
+    picked = [selection.threshold_indices(g, h, c)[0]
+              for g, h, c in zip(leaves, thresholds, caps)]
+    return picked, thresholds
+
+  @jax.jit
+  def lags_step(leaves):
+    return [selection.topk_indices(g, k) for g, k in zip(leaves, ks)]
+
+  total_k = selection.num_to_keep(density, sum(sizes))
+
+  @jax.jit
+  def topk_step(leaves):
+    return selection.topk_indices(jnp.concatenate([g.reshape(-1) for g in leaves]), total_k)
+
+  return dlgs_step, lags_step, topk_step
+
+
+def bench_config(name, density, reuse_every, repeats, with_updates):
+  params = models.param_shapes(name)
+  rng = np.random.default_rng(0)
+  grads = jax.tree_util.tree_map(
+      lambda s: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32)), params)
+  leaves = jax.tree_util.tree_leaves(grads)
+  sizes = [int(g.size) for g in leaves]
+  dlgs_step, lags_step, topk_step = make_selectors(params, density, reuse_every)
+  thresholds = [jnp.zeros((), jnp.float32) for _ in leaves]
+  _, thresholds = dlgs_step(leaves, thresholds, jnp.int32(0))
+
+  def dlgs_cycle():
+    out = None
+    for count in range(reuse_every):
+      out = dlgs_step(leaves, thresholds, jnp.int32(count))
+    return out
+
+  row = {
+      "model": name, "density": density, "reuse_every": reuse_every,
+      "params": sum(sizes), "leaves": len(sizes),
+      "dlgs_ms": median_ms(dlgs_cycle, repeats) / reuse_every,
+      "dlgs_exact_step_ms": median_ms(lambda: dlgs_step(leaves, thresholds, jnp.int32(0)), repeats),
+      "dlgs_reuse_step_ms": median_ms(lambda: dlgs_step(leaves, thresholds, jnp.int32(1)), repeats),
+      "lags_ms": median_ms(lambda: lags_step(leaves), repeats),
+      "topk_ms": median_ms(lambda: topk_step(leaves), repeats),
+  }
+  if with_updates:
+    for method, tx in (("dlgs", dlgs_jax.dlgs(density, reuse_every=reuse_every)),
+                       ("lags", dlgs_jax.lags(density)),
+                       ("topk", dlgs_jax.topk(density))):
+      update = jax.jit(tx.update)
+      state = tx.init(grads)
+
+      def cycle(update=update, state=state):
+        s = state
+        for _ in range(reuse_every):
+          u, s = update(grads, s)
+        return u
+
+      row[f"{method}_update_ms"] = median_ms(cycle, max(1, repeats // 2)) / reuse_every
+  row["lags_over_dlgs"] = row["lags_ms"] / row["dlgs_ms"]
+  row["topk_over_dlgs"] = row["topk_ms"] / row["dlgs_ms"]
+  return row
+
+
+def format_table(rows, with_updates):
+  header = ["model", "density", "params", "dlgs ms", "(exact", "reuse)", "lags ms", "topk ms",
+            "lags/dlgs", "topk/dlgs"]
+  if with_updates:
+    header += ["dlgs upd", "lags upd", "topk upd"]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for r in rows:
+    cells = [r["model"], f"{r['density']:g}", f"{r['params'] / 1e6:.2f}M",
+             f"{r['dlgs_ms']:.2f}", f"{r['dlgs_exact_step_ms']:.2f}",
+             f"{r['dlgs_reuse_step_ms']:.2f}", f"{r['lags_ms']:.2f}", f"{r['topk_ms']:.2f}",
+             f"{r['lags_over_dlgs']:.1f}x", f"{r['topk_over_dlgs']:.1f}x"]
+    if with_updates:
+      cells += [f"{r['dlgs_update_ms']:.1f}", f"{r['lags_update_ms']:.1f}",
+                f"{r['topk_update_ms']:.1f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", nargs="+", default=["resnet20", "vgg16", "resnet50"],
+                      choices=sorted(models.MODELS))
+  parser.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.01])
+  parser.add_argument("--reuse-every", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--no-updates", action="store_true",
+                      help="skip timing the whole transform updates")
+  parser.add_argument("--out", default="experiments/results/bench_sparsify.json")
+  args = parser.parse_args(argv)
+  rows = []
+  for name in args.models:
+    for density in args.densities:
+      row = bench_config(name, density, args.reuse_every, args.repeats, not args.no_updates)
+      rows.append(row)
+      print(f"{name} density {density:g}: dlgs {row['dlgs_ms']:.2f} ms, lags "
+            f"{row['lags_ms']:.2f} ms, topk {row['topk_ms']:.2f} ms", flush=True)
+  table = format_table(rows, not args.no_updates)
+  print()
+  print(table)
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({
+      "command": "python experiments/bench_sparsify.py " + " ".join(argv or []),
+      "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                  "cpus": jax.local_device_count(), "backend": jax.default_backend(),
+                  "jax": jax.__version__},
+      "rows": rows, "table": table}, indent=2))
+  print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+  import sys
+  main(sys.argv[1:])
