@@ -107,9 +107,10 @@ def threshold_indices(
 
   A scatter of all n positions into the buffer is the obvious way and costs as
   much as a sort on CPU. Instead the mask is packed into 32-bit words, a
-  prefix sum over the n/32 word popcounts locates the word holding each output
-  slot (binary search), and a 5-step bit search finds the bit in the word:
-  O(n) simple passes plus O(capacity * log n) small gathers.
+  prefix sum over the n/32 word popcounts gives each word its first output
+  slot, a running max spreads word indices over the slots, and a 5-step bit
+  search finds the bit in the word: O(n) simple passes, a scatter of n/32
+  words and O(capacity) work.
 
   Args:
     x: any-shaped array.
@@ -132,12 +133,15 @@ def threshold_indices(
   words = jnp.sum(mask.reshape(-1, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32),
                   axis=1, dtype=jnp.uint32)
   counts = lax.population_count(words).astype(jnp.int32)
-  ends = jnp.cumsum(counts)  # inclusive prefix sums
-  passed = ends[-1]
+  starts = jnp.cumsum(counts) - counts  # exclusive prefix sums: first slot of each word
+  passed = starts[-1] + counts[-1]
+  # Mark each nonempty word at its first slot; a running max then carries the
+  # word index over the slots it fills (starts never decrease).
+  marks = jnp.zeros((capacity,), jnp.int32).at[jnp.where(counts > 0, starts, capacity)].max(
+      jnp.arange(words.shape[0], dtype=jnp.int32), mode="drop")
+  word_index = lax.cummax(marks)
   slot = jnp.arange(capacity, dtype=jnp.int32)
-  word_index = jnp.minimum(
-      jnp.searchsorted(ends, slot, side="right").astype(jnp.int32), words.shape[0] - 1)
-  rank = slot - (ends[word_index] - counts[word_index])  # rank of the bit in its word
+  rank = slot - starts[word_index]  # rank of the wanted bit within its word
   word = words[word_index]
   bit = jnp.zeros_like(slot)
   for width in (16, 8, 4, 2, 1):

@@ -55,6 +55,18 @@ for name, tx in methods.items():
           [x.reshape(len(local_rows), -1) for x in jax.tree_util.tree_leaves(r)], axis=1)
     results[f"{name}/{t}/grads"] = np.concatenate(
         [x.reshape(workers, -1) for x in jax.tree_util.tree_leaves(grads)], axis=1)
+# Rank 0 plans; every process gets its plan (paper Sec. 3.4).
+from dlgs_jax import planner  # noqa: E402
+from dlgs_jax.timeline import LinearCost, Profile  # noqa: E402
+
+plan = None
+if jax.process_index() == 0:
+  profile = Profile(model="toy", paths=["b/w", "a"], sizes=[54, 40], t_forward=1e-3,
+                    t_backward=[1e-3, 2e-3], workers=workers, sparsify={},
+                    comm={"allgather": LinearCost(1e-4, 1e-9)})
+  plan = planner.make_plan(profile, "dlgs", 0.1, "optimal")
+plan = planner.broadcast_plan(plan)
+results["plan"] = np.frombuffer(plan.to_json().encode(), np.uint8)
 results["rows"] = np.asarray(local_rows)
 np.savez(f"{out_dir}/process{process_id}.npz", **results)
 print(f"process {process_id}: {workers} workers, rows {local_rows}, done", flush=True)

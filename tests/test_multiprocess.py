@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dlgs_jax import planner
+
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("mp_transform_worker.py")
@@ -49,6 +51,9 @@ def test_two_processes_gloo_transforms(tmp_path):
   rows = np.concatenate([p["rows"] for p in parts])
   assert sorted(rows) == [0, 1, 2, 3]
   workers = 4
+  plans = [p["plan"].tobytes().decode() for p in parts]
+  assert plans[0] == plans[1]
+  assert planner.Plan.from_json(plans[1]).workers == workers
   for name in ("dlgs", "dlgs_gtopk", "gtopk", "topk", "dense"):
     old_residual = 0.0
     for t in range(3):

@@ -1,0 +1,329 @@
+"""Measuring a `timeline.Profile` on the machine and mesh in use.
+
+* Compute: the forward time and the whole backward time of a Flax model are
+  timed under `jax.jit`; per-layer backward times come from timing each
+  parameter-owning module's VJP alone on the input it sees in the model
+  (captured with `flax.linen.intercept_methods`). Their sum misses what lies
+  between modules (activations, pooling, shortcuts), so they are scaled to the
+  measured whole backward time; the unscaled difference is reported.
+* Sparsification: DLGS selection (amortised over its reuse period), exact
+  per-layer top-k and global top-k, timed over a range of sizes and fitted as
+  ``alpha + beta * elements``.
+* Communication: dense all-reduce, sparse all-gather and gTop-k timed on the
+  current mesh over a range of message sizes and fitted as
+  ``alpha + beta * bytes sent per worker``; or, to look past this machine,
+  `network_comm` builds the same costs from a latency and a link bandwidth.
+
+All timings are medians after warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from dlgs_jax import collectives, grouping, parallel, selection, wire
+from dlgs_jax.timeline import LinearCost, Profile
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+  """Median wall time of ``fn()`` (blocking on its result) after `warmup` calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def fit_linear(x: Sequence[float], t: Sequence[float]) -> LinearCost:
+  """Least-squares ``t = alpha + beta * x`` with both coefficients kept >= 0."""
+  x = np.asarray(x, np.float64)
+  t = np.asarray(t, np.float64)
+  beta, alpha = np.polyfit(x, t, 1) if len(x) > 1 else (0.0, float(t[0]))
+  if beta < 0:
+    beta, alpha = 0.0, float(np.median(t))
+  if alpha < 0:
+    alpha, beta = 0.0, float(np.sum(x * t) / np.sum(x * x))
+  return LinearCost(float(alpha), float(beta))
+
+
+# ---------------------------------------------------------------- compute ---
+
+_PARAM_MODULES = (nn.Conv, nn.Dense, nn.BatchNorm, nn.LayerNorm, nn.Embed, nn.GroupNorm)
+
+
+def _subtree(tree, path):
+  for name in path:
+    tree = tree[name]
+  return tree
+
+
+def layer_backward_times(model: nn.Module, variables: dict, inputs: jax.Array, *,
+                         repeats: int = 5) -> dict[tuple[str, ...], float]:
+  """Backward time of each parameter-owning module, timed alone (module path -> s)."""
+  calls: list[tuple[nn.Module, tuple, dict]] = []
+
+  def record(next_fun, args, kwargs, context):
+    if context.method_name == "__call__" and isinstance(context.module, _PARAM_MODULES):
+      calls.append((context.module, args, kwargs))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    model.apply(variables, inputs, train=True, mutable=["batch_stats"])
+  times: dict[tuple[str, ...], float] = {}
+  for module, args, kwargs in calls:
+    path = tuple(module.path)
+    if path in times:
+      continue
+    overrides = {"axis_name": None} if hasattr(module, "axis_name") else {}
+    alone = module.clone(parent=None, **overrides)
+    module_vars = {c: _subtree(variables[c], path) for c in variables
+                   if _has_path(variables[c], path)}
+    params = module_vars.pop("params")
+
+    def apply(p, x, alone=alone, module_vars=module_vars, kwargs=kwargs):
+      if not module_vars:
+        return alone.apply({"params": p}, x, **kwargs)
+      # Statistics (BatchNorm) are updated in training mode: return only the output.
+      return alone.apply({"params": p, **module_vars}, x, mutable=list(module_vars), **kwargs)[0]
+
+    out, vjp_fn = jax.vjp(apply, params, args[0])
+    cotangent = jnp.ones_like(out)
+    run = jax.jit(lambda f, ct: f(ct))
+    times[path] = median_seconds(lambda: run(vjp_fn, cotangent), repeats)
+  return times
+
+
+def _has_path(tree, path) -> bool:
+  try:
+    _subtree(tree, path)
+    return True
+  except (KeyError, TypeError):
+    return False
+
+
+def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels: jax.Array,
+                    *, repeats: int = 5) -> dict[str, Any]:
+  """Forward time, per-leaf backward times in backward order, and the check against the whole.
+
+  Returns:
+    dict with ``order`` (leaf paths), ``sizes``, ``t_forward``, ``t_backward``
+    (scaled to the measured total), ``backward_measured``, ``backward_sum_alone``
+    and ``backward_difference`` (relative: sum alone / measured - 1).
+  """
+  params = variables["params"]
+  others = {k: v for k, v in variables.items() if k != "params"}
+
+  def loss_fn(p, x, y):
+    if others:
+      logits = model.apply({"params": p, **others}, x, train=True, mutable=list(others))[0]
+    else:
+      logits = model.apply({"params": p}, x, train=True)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+  order = grouping.backward_order(loss_fn, params, images, labels)
+  forward = jax.jit(loss_fn)
+  forward_backward = jax.jit(jax.value_and_grad(loss_fn))
+  t_forward = median_seconds(lambda: forward(params, images, labels), repeats)
+  t_both = median_seconds(lambda: forward_backward(params, images, labels), repeats)
+  t_backward_total = max(t_both - t_forward, 0.0)
+  per_module = layer_backward_times(model, variables, images, repeats=repeats)
+  paths = grouping.leaf_paths(params)
+  sizes = dict(zip(paths, (int(x.size) for x in jax.tree_util.tree_leaves(params))))
+  raw = {path: 0.0 for path in order}
+  for module_path, t in per_module.items():
+    prefix = "/".join(module_path) + "/"
+    members = [p for p in order if p.startswith(prefix)]
+    if members:
+      raw[members[0]] += t  # the module's leaves become ready together
+  total_alone = sum(raw.values())
+  scale = t_backward_total / total_alone if total_alone > 0 else 0.0
+  return {
+      "order": order,
+      "sizes": [sizes[p] for p in order],
+      "t_forward": t_forward,
+      "t_backward": [raw[p] * scale for p in order],
+      "backward_measured": t_backward_total,
+      "backward_sum_alone": total_alone,
+      "backward_difference": (total_alone / t_backward_total - 1.0) if t_backward_total else 0.0,
+  }
+
+
+# --------------------------------------------------------- sparsification ---
+
+def measure_sparsify(sizes: Sequence[int], density: float, *, reuse_every: int = 10,
+                     repeats: int = 5) -> tuple[dict[str, LinearCost], dict[str, list]]:
+  """Fits selection costs over `sizes` for "dlgs" (amortised), "lags" and "topk".
+
+  Returns:
+    (costs per method, the raw measurements).
+  """
+  rng = np.random.default_rng(0)
+  raw = {"sizes": [], "dlgs": [], "lags": []}
+  for size in sizes:
+    x = jnp.asarray(rng.standard_normal(size).astype(np.float32))
+    k = selection.num_to_keep(density, size)
+    exact = jax.jit(lambda x, k=k: selection.threshold_indices(
+        x, selection.kth_largest_abs(x, k), k))
+    reuse = jax.jit(lambda x, h, k=k: selection.threshold_indices(x, h, k))
+    top = jax.jit(lambda x, k=k: selection.topk_indices(x, k))
+    h = selection.kth_largest_abs(x, k)
+    t_exact = median_seconds(lambda: exact(x), repeats)
+    t_reuse = median_seconds(lambda: reuse(x, h), repeats)
+    raw["sizes"].append(int(size))
+    raw["dlgs"].append((t_exact + (reuse_every - 1) * t_reuse) / reuse_every)
+    raw["lags"].append(median_seconds(lambda: top(x), repeats))
+  lags = fit_linear(raw["sizes"], raw["lags"])
+  costs = {"dlgs": fit_linear(raw["sizes"], raw["dlgs"]), "lags": lags,
+           # a global top-k is the same operation on the concatenation
+           "topk": lags, "gtopk": lags}
+  return costs, raw
+
+
+# ---------------------------------------------------------- communication ---
+
+def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
+                 repeats: int = 5) -> tuple[dict[str, LinearCost], dict[str, list]]:
+  """Fits collective costs on `mesh` against bytes sent per worker.
+
+  Returns:
+    (costs per collective kind, the raw measurements).
+  """
+  axis = mesh.axis_names[0]
+  workers = mesh.devices.size
+  spec = PartitionSpec(axis)
+  raw = {"allreduce": [], "allgather": [], "gtopk": []}
+  rng = np.random.default_rng(0)
+  for size in sizes:
+    k = selection.num_to_keep(density, size)
+    x = parallel.shard_batch(rng.standard_normal((workers, size)).astype(np.float32), mesh)
+    idx = parallel.shard_batch(
+        np.stack([rng.choice(size, k, replace=False) for _ in range(workers)]).astype(np.int32),
+        mesh)
+
+    def wrap(fn):
+      return jax.jit(jax.shard_map(
+          lambda *a: parallel.unsqueeze(fn(*parallel.squeeze(a))), mesh=mesh,
+          in_specs=spec, out_specs=spec, check_vma=False))
+
+    dense = wrap(lambda v: collectives.dense_mean(v, axis_name=axis))
+    gather = wrap(lambda v, i: collectives.sparse_allgather_mean(
+        v[:k], i, size, axis_name=axis))
+    gtop = wrap(lambda v, i: collectives.gtopk_mean(v, v[:k], i, k, axis_name=axis)[0])
+    raw["allreduce"].append((wire.allreduce_bytes(size, workers),
+                             median_seconds(lambda: dense(x), repeats)))
+    raw["allgather"].append((wire.allgather_bytes(k, workers),
+                             median_seconds(lambda: gather(x, idx), repeats)))
+    raw["gtopk"].append((wire.gtopk_bytes(k, workers)[0],
+                         median_seconds(lambda: gtop(x, idx), repeats)))
+  costs = {kind: fit_linear([b for b, _ in points], [t for _, t in points])
+           for kind, points in raw.items()}
+  return costs, raw
+
+
+def parse_bandwidth(text: str) -> float:
+  """'1gbit', '10Gbit', '25gbps', '100mbit' -> bits per second."""
+  units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9}
+  lowered = str(text).strip().lower()
+  for unit, factor in units.items():
+    if lowered.endswith(unit):
+      number = lowered[:-len(unit)]
+      break
+  else:
+    number, factor = lowered, 1.0
+  try:
+    value = float(number) * factor
+  except ValueError:
+    raise ValueError(f"bandwidth must look like '1gbit' or '25gbit', got {text!r}") from None
+  if not np.isfinite(value) or value <= 0:
+    raise ValueError(f"bandwidth must be positive, got {text!r}")
+  return value
+
+
+def network_comm(workers: int, bandwidth_bits: float, latency: float = 25e-6) -> dict[str, LinearCost]:
+  """α-β costs of each collective for `workers` on links of `bandwidth_bits`.
+
+  Latency terms count the sequential steps of each algorithm: 2(P-1) for a ring
+  all-reduce, P-1 for a ring all-gather, and for gTop-k its pairwise rounds
+  plus the 2(P-1) steps of the exact k-value all-reduce. Bandwidth terms use
+  the bytes per worker of `wire`.
+  """
+  if workers < 1:
+    raise ValueError(f"workers must be >= 1, got {workers!r}")
+  if not bandwidth_bits > 0 or not latency >= 0:
+    raise ValueError(f"bad network: bandwidth {bandwidth_bits!r}, latency {latency!r}")
+  beta = 8.0 / bandwidth_bits
+  p2 = 1 << (workers.bit_length() - 1)
+  rounds = (p2 - 1).bit_length() + (2 if workers > p2 else 0)
+  return {
+      "allreduce": LinearCost(2 * (workers - 1) * latency, beta),
+      "allgather": LinearCost((workers - 1) * latency, beta),
+      "gtopk": LinearCost((rounds + 2 * (workers - 1)) * latency, beta),
+  }
+
+
+def profile_model(name: str, *, density: float, batch_size: int = 32,
+                  image_size: Optional[int] = None, mesh: Optional[Mesh] = None,
+                  reuse_every: int = 10, repeats: int = 5, seed: int = 0,
+                  progress: Callable[[str], None] = lambda message: None) -> tuple[Profile, dict]:
+  """Measures a full profile of model `name` on this machine.
+
+  Args:
+    name: a `models.MODELS` name.
+    density: density used to size the sparse messages of the benchmarks.
+    batch_size: examples per worker.
+    image_size: input side length (default: the model's own).
+    mesh: the mesh whose collectives are timed (default: all devices); with one
+      device no communication cost is measured.
+    reuse_every: DLGS reuse period for the amortised selection cost.
+    repeats: timing repeats per measurement.
+    seed: initialisation seed.
+    progress: called with a message before each phase.
+
+  Returns:
+    (profile, details) where details holds the raw measurements and the
+    backward-time check.
+  """
+  from dlgs_jax import models
+
+  model, shape = models.create_model(name)
+  if image_size is not None:
+    shape = (image_size, image_size, shape[2])
+  rng = np.random.default_rng(seed)
+  images = jnp.asarray(rng.standard_normal((batch_size,) + shape).astype(np.float32))
+  labels = jnp.asarray(rng.integers(0, model.num_classes, batch_size).astype(np.int32))
+  variables = jax.jit(lambda key: model.init(key, images[:1], train=False))(jax.random.key(seed))
+  progress("timing forward, backward and each layer's backward")
+  compute = measure_compute(model, variables, images, labels, repeats=repeats)
+  total = sum(compute["sizes"])
+  grid = sorted({int(s) for s in np.geomspace(4096, max(total, 8192), 6)})
+  progress("timing threshold selection and top-k")
+  sparsify, sparsify_raw = measure_sparsify(grid, density, reuse_every=reuse_every,
+                                            repeats=repeats)
+  mesh = mesh or parallel.data_mesh()
+  workers = int(mesh.devices.size)
+  comm, comm_raw = {}, {}
+  if workers > 1:
+    progress(f"timing collectives on {workers} workers")
+    comm_grid = sorted({int(s) for s in np.geomspace(4096, max(total, 8192), 5)})
+    comm, comm_raw = measure_comm(mesh, comm_grid, density, repeats=repeats)
+  profile = Profile(
+      model=name, paths=compute["order"], sizes=compute["sizes"],
+      t_forward=compute["t_forward"], t_backward=compute["t_backward"], workers=workers,
+      sparsify=sparsify, comm=comm,
+      source=(f"measured on {jax.default_backend()} ({workers} devices of "
+              f"{jax.devices()[0].device_kind}), batch {batch_size} per worker, "
+              f"input {shape}"))
+  details = {key: compute[key] for key in
+             ("backward_measured", "backward_sum_alone", "backward_difference")}
+  details.update(sparsify_raw=sparsify_raw, comm_raw=comm_raw)
+  return profile, details

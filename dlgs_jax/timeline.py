@@ -1,0 +1,238 @@
+"""Timeline model of one training iteration (Ju et al. 2024, eqs. 2-8).
+
+Backward computation and sparsification share one stream (compute); messages
+go out on a second stream (communication) in backward order. For a grouping of
+the layers (listed in backward order) into contiguous groups, each group is
+sparsified once its last layer's gradient exists and sent once both its
+sparsification and the previous message are done (eq. 5); a merged layer adds
+its size to its group and costs no sparsification or communication of its own
+(eq. 6). The iteration ends when the last message ends (eq. 7).
+
+Times are in seconds, sizes in elements. Everything here is plain Python/NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Optional, Sequence
+
+from dlgs_jax import selection, wire
+
+METHODS = ("dense", "topk", "lags", "gtopk", "dlgs")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCost:
+  """``t(x) = alpha + beta * x`` (seconds); x is elements or bytes."""
+  alpha: float
+  beta: float
+
+  def __post_init__(self):
+    for name in ("alpha", "beta"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"LinearCost.{name} must be a finite number >= 0, got {value!r}")
+
+  def __call__(self, x: float) -> float:
+    return self.alpha + self.beta * x
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """What the timeline model needs to know about one model on one cluster.
+
+  Attributes:
+    model: model name (plans made from this profile carry it).
+    paths: leaf paths in backward order (the order gradients become ready).
+    sizes: elements per leaf, same order.
+    t_forward: forward time t_f.
+    t_backward: backward time t_b per leaf, same order (a layer's whole time
+      on its first leaf, 0 on the others of the same layer).
+    workers: P, the number of workers the costs were measured or modelled for.
+    sparsify: selection cost per message as a function of its elements, one
+      `LinearCost` per method ("dlgs" amortised over its reuse period, "lags"
+      and "topk" exact top-k); missing methods cost nothing.
+    comm: communication cost per collective as a function of the bytes each
+      worker sends ("allreduce", "allgather", "gtopk").
+    source: how the numbers were obtained (e.g. "measured on 8 CPU devices").
+  """
+  model: str
+  paths: tuple[str, ...]
+  sizes: tuple[int, ...]
+  t_forward: float
+  t_backward: tuple[float, ...]
+  workers: int
+  sparsify: dict[str, LinearCost]
+  comm: dict[str, LinearCost]
+  source: str = ""
+
+  def __post_init__(self):
+    object.__setattr__(self, "paths", tuple(self.paths))
+    object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+    object.__setattr__(self, "t_backward", tuple(float(t) for t in self.t_backward))
+    if not self.paths:
+      raise ValueError("profile has no layers")
+    if len(self.sizes) != len(self.paths) or len(self.t_backward) != len(self.paths):
+      raise ValueError(
+          f"profile lengths differ: {len(self.paths)} paths, {len(self.sizes)} sizes, "
+          f"{len(self.t_backward)} backward times")
+    if len(set(self.paths)) != len(self.paths):
+      raise ValueError("profile paths repeat a leaf")
+    for path, size in zip(self.paths, self.sizes):
+      if size < 1:
+        raise ValueError(f"layer {path!r} has size {size!r}; sizes must be >= 1")
+    for path, t in zip(self.paths, self.t_backward):
+      if not math.isfinite(t) or t < 0:
+        raise ValueError(f"layer {path!r} has backward time {t!r}; times must be finite and >= 0")
+    if not math.isfinite(self.t_forward) or self.t_forward < 0:
+      raise ValueError(f"forward time must be finite and >= 0, got {self.t_forward!r}")
+    if not isinstance(self.workers, int) or self.workers < 1:
+      raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}")
+    for table in (self.sparsify, self.comm):
+      for key, cost in table.items():
+        if not isinstance(cost, LinearCost):
+          raise ValueError(f"cost {key!r} must be a LinearCost, got {cost!r}")
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.paths)
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out["paths"] = list(self.paths)
+    out["sizes"] = list(self.sizes)
+    out["t_backward"] = list(self.t_backward)
+    return out
+
+  @classmethod
+  def from_dict(cls, data: dict[str, Any]) -> "Profile":
+    try:
+      return cls(
+          model=data["model"], paths=data["paths"], sizes=data["sizes"],
+          t_forward=float(data["t_forward"]), t_backward=data["t_backward"],
+          workers=int(data["workers"]),
+          sparsify={k: LinearCost(**v) for k, v in data.get("sparsify", {}).items()},
+          comm={k: LinearCost(**v) for k, v in data.get("comm", {}).items()},
+          source=data.get("source", ""))
+    except (KeyError, TypeError) as e:
+      raise ValueError(f"not a valid profile: {e!r}") from None
+
+  def save(self, path) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_dict(), f, indent=1)
+
+  @classmethod
+  def load(cls, path) -> "Profile":
+    with open(path) as f:
+      return cls.from_dict(json.load(f))
+
+  def with_comm(self, comm: dict[str, LinearCost], workers: int, source: str) -> "Profile":
+    """The same compute profile on another network / worker count."""
+    return dataclasses.replace(self, comm=dict(comm), workers=workers,
+                               source=f"{self.source}; {source}".strip("; "))
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodCosts:
+  """Per-message sparsification and communication times for one method."""
+  method: str
+  density: float
+
+  def sparsify_time(self, profile: Profile, size: int) -> float:
+    cost = profile.sparsify.get(self.method)
+    if self.method == "dense" or cost is None:
+      return 0.0
+    return cost(size)
+
+  def comm_bytes(self, profile: Profile, size: int) -> float:
+    """Bytes the busiest worker sends for one message of `size` elements."""
+    p = profile.workers
+    if self.method == "dense":
+      return wire.allreduce_bytes(size, p)
+    k = selection.num_to_keep(self.density, size)
+    if self.method == "gtopk":
+      return wire.gtopk_bytes(k, p)[0]
+    return wire.allgather_bytes(k, p)
+
+  def comm_time(self, profile: Profile, size: int) -> float:
+    if profile.workers <= 1:
+      return 0.0
+    kind = {"dense": "allreduce", "gtopk": "gtopk"}.get(self.method, "allgather")
+    if kind not in profile.comm:
+      raise ValueError(
+          f"profile has no '{kind}' communication cost (has {sorted(profile.comm)})")
+    return profile.comm[kind](self.comm_bytes(profile, size))
+
+
+@dataclasses.dataclass
+class Timeline:
+  """Result of `simulate` (seconds)."""
+  t_iter: float
+  compute: float               # t_f + sum of t_b
+  sparsify: float              # sum of sparsification times
+  comm: float                  # sum of communication times
+  comm_exposed: float          # communication not hidden behind compute
+  backward_start: list[float]  # per layer
+  groups: list[list[int]]      # layer indices per group
+  sparsify_start: list[float]  # per group
+  sparsify_time: list[float]
+  comm_start: list[float]      # per group
+  comm_time: list[float]
+
+  def breakdown(self) -> dict[str, float]:
+    return {"t_iter": self.t_iter, "compute": self.compute, "sparsify": self.sparsify,
+            "comm_exposed": self.comm_exposed, "comm_total": self.comm}
+
+
+def check_groups(groups: Sequence[Sequence[int]], num_layers: int) -> list[list[int]]:
+  """Groups must be contiguous runs covering 0..L-1 in order."""
+  groups = [list(g) for g in groups]
+  flat = [i for g in groups for i in g]
+  if flat != list(range(num_layers)) or any(not g for g in groups):
+    raise ValueError(
+        f"groups must be non-empty contiguous runs of layers 0..{num_layers - 1} in order, "
+        f"got {groups!r}")
+  return groups
+
+
+def simulate(profile: Profile, groups: Sequence[Sequence[int]], costs: MethodCosts) -> Timeline:
+  """Iteration time of `groups` by eqs. (3)-(7), merged layers per eq. (6).
+
+  Args:
+    profile: the measured or modelled profile.
+    groups: layer indices (positions in backward order) per group.
+    costs: the method whose sparsification and communication costs apply.
+
+  Returns:
+    The `Timeline`.
+  """
+  groups = check_groups(groups, profile.num_layers)
+  compute_clock = profile.t_forward
+  comm_clock = 0.0
+  backward_start = [0.0] * profile.num_layers
+  s_start, s_time, c_start, c_time = [], [], [], []
+  for group in groups:
+    size = 0
+    for layer in group:
+      backward_start[layer] = compute_clock
+      compute_clock += profile.t_backward[layer]
+      size += profile.sizes[layer]
+    t_s = costs.sparsify_time(profile, size)
+    s_start.append(compute_clock)
+    s_time.append(t_s)
+    compute_clock += t_s
+    t_c = costs.comm_time(profile, size)
+    start = max(compute_clock, comm_clock)
+    c_start.append(start)
+    c_time.append(t_c)
+    comm_clock = start + t_c
+  t_iter = max(comm_clock, compute_clock)
+  compute = profile.t_forward + sum(profile.t_backward)
+  sparsify = sum(s_time)
+  return Timeline(
+      t_iter=t_iter, compute=compute, sparsify=sparsify, comm=sum(c_time),
+      comm_exposed=t_iter - compute - sparsify, backward_start=backward_start,
+      groups=groups, sparsify_start=s_start, sparsify_time=s_time,
+      comm_start=c_start, comm_time=c_time)

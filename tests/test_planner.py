@@ -1,0 +1,102 @@
+import time
+
+import numpy as np
+import pytest
+
+from dlgs_jax import planner
+from dlgs_jax.timeline import LinearCost, MethodCosts, Profile, simulate
+
+
+def random_profile(rng, layers, workers=8):
+  sizes = rng.integers(10, 2_000_000, layers)
+  return Profile(
+      model="random", paths=[f"layer{i}" for i in range(layers)], sizes=sizes,
+      t_forward=float(rng.uniform(0.001, 0.02)),
+      t_backward=rng.uniform(0.0, 0.01, layers) * (rng.random(layers) > 0.2),
+      workers=workers,
+      sparsify={"dlgs": LinearCost(float(rng.uniform(0, 1e-3)), float(rng.uniform(0, 5e-9))),
+                "lags": LinearCost(float(rng.uniform(0, 1e-3)), float(rng.uniform(0, 5e-8)))},
+      comm={kind: LinearCost(float(rng.uniform(1e-5, 2e-3)), float(rng.uniform(1e-10, 1e-8)))
+            for kind in ("allgather", "allreduce", "gtopk")})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_optimal_equals_brute_force_and_beats_the_others(seed):
+  rng = np.random.default_rng(seed)
+  profile = random_profile(rng, int(rng.integers(1, 13)))
+  method = ["dlgs", "dense", "lags", "gtopk"][seed % 4]
+  costs = MethodCosts(method, float(rng.choice([0.1, 0.01, 0.001])))
+  best = simulate(profile, planner.brute_force(profile, costs), costs).t_iter
+  found = simulate(profile, planner.optimal(profile, costs), costs).t_iter
+  assert found == pytest.approx(best, rel=1e-12, abs=1e-15)
+  for name in ("greedy", "wfbp", "single"):
+    other = simulate(profile, planner.PLANNER_FUNCTIONS[name](profile, costs), costs).t_iter
+    assert found <= other + 1e-15, name
+
+
+def test_optimal_merges_small_layers_when_latency_dominates():
+  sizes = [100] * 6
+  profile = Profile(model="m", paths=[str(i) for i in range(6)], sizes=sizes, t_forward=0.0,
+                    t_backward=[1e-4] * 6, workers=4, sparsify={},
+                    comm={"allgather": LinearCost(1e-2, 0.0)})
+  costs = MethodCosts("dlgs", 0.1)
+  assert planner.optimal(profile, costs) == [list(range(6))]
+  # With free latency and real bandwidth cost, sending each layer as soon as
+  # it is ready overlaps best.
+  profile2 = Profile(model="m", paths=[str(i) for i in range(6)], sizes=sizes, t_forward=0.0,
+                     t_backward=[1e-2] * 6, workers=4, sparsify={},
+                     comm={"allgather": LinearCost(0.0, 1e-5)})
+  assert planner.optimal(profile2, costs) == [[i] for i in range(6)]
+
+
+def test_optimal_is_fast_for_resnet50_leaf_count():
+  rng = np.random.default_rng(0)
+  profile = random_profile(rng, 161)
+  costs = MethodCosts("dlgs", 0.01)
+  start = time.perf_counter()
+  groups = planner.optimal(profile, costs)
+  elapsed = time.perf_counter() - start
+  assert [i for g in groups for i in g] == list(range(161))
+  # Not a timing assertion on noisy machines: just a generous sanity bound.
+  assert elapsed < 30
+  assert simulate(profile, groups, costs).t_iter <= simulate(
+      profile, planner.greedy(profile, costs), costs).t_iter
+
+
+def test_plan_json_round_trip_and_checks(tmp_path):
+  rng = np.random.default_rng(1)
+  profile = random_profile(rng, 5)
+  plan = planner.make_plan(profile, "dlgs", 0.01, "optimal")
+  assert plan.order == list(profile.paths)
+  assert [p for g in plan.groups for p in g] == plan.order
+  assert plan.predicted["t_iter"] == pytest.approx(
+      simulate(profile, [[profile.paths.index(p) for p in g] for g in plan.groups],
+               MethodCosts("dlgs", 0.01)).t_iter)
+  plan.save(tmp_path / "plan.json")
+  loaded = planner.Plan.load(tmp_path / "plan.json")
+  assert loaded == plan
+  assert Profile.from_dict(loaded.profile) == profile
+  assert loaded.profile_id == planner.profile_id(profile)
+  loaded.check_compatible(paths=list(reversed(profile.paths)), workers=8, model="random")
+  with pytest.raises(ValueError, match="4 workers|8 workers"):
+    loaded.check_compatible(paths=profile.paths, workers=4)
+  with pytest.raises(ValueError, match="resnet20"):
+    loaded.check_compatible(paths=profile.paths, workers=8, model="resnet20")
+  with pytest.raises(ValueError, match="does not match"):
+    loaded.check_compatible(paths=profile.paths[:-1] + ("other",), workers=8)
+
+
+def test_make_plan_bad_input():
+  profile = random_profile(np.random.default_rng(2), 3)
+  with pytest.raises(ValueError, match="fastest"):
+    planner.make_plan(profile, "dlgs", 0.01, "fastest")
+  with pytest.raises(ValueError, match="sgd"):
+    planner.make_plan(profile, "sgd", 0.01, "optimal")
+  with pytest.raises(ValueError, match="1.5"):
+    planner.make_plan(profile, "dlgs", 1.5, "optimal")
+  with pytest.raises(ValueError, match="not a valid plan"):
+    planner.Plan.from_json("{\"model\": 1}")
+  with pytest.raises(ValueError, match="no 'allgather'"):
+    planner.make_plan(Profile(model="m", paths=["a"], sizes=[3], t_forward=0.0,
+                              t_backward=[0.0], workers=2, sparsify={}, comm={}),
+                      "dlgs", 0.1, "wfbp")

@@ -1,0 +1,101 @@
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlgs_jax import grouping, models, parallel, profiler
+from dlgs_jax.timeline import LinearCost, Profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_fit_linear_recovers_coefficients_and_stays_nonnegative():
+  x = np.asarray([1e3, 1e4, 1e5, 1e6])
+  fit = profiler.fit_linear(x, 2e-4 + 3e-9 * x)
+  assert fit.alpha == pytest.approx(2e-4, rel=1e-6) and fit.beta == pytest.approx(3e-9, rel=1e-6)
+  falling = profiler.fit_linear(x, [4.0, 3.0, 2.0, 1.0])
+  assert falling.beta == 0.0 and falling.alpha == 2.5
+  negative_intercept = profiler.fit_linear(x, 1e-9 * x - 1e-5)
+  assert negative_intercept.alpha == 0.0 and negative_intercept.beta > 0
+
+
+@pytest.mark.parametrize("text,bits", [("1gbit", 1e9), ("10Gbit", 1e10), ("25gbps", 2.5e10),
+                                       ("100mbit", 1e8), ("5e8", 5e8)])
+def test_parse_bandwidth(text, bits):
+  assert profiler.parse_bandwidth(text) == bits
+
+
+@pytest.mark.parametrize("text", ["fast", "-1gbit", "0gbit"])
+def test_parse_bandwidth_rejects(text):
+  with pytest.raises(ValueError, match=text):
+    profiler.parse_bandwidth(text)
+
+
+def test_network_comm_alpha_beta():
+  costs = profiler.network_comm(8, 1e9, latency=1e-5)
+  assert costs["allreduce"] == LinearCost(14 * 1e-5, 8e-9)
+  assert costs["allgather"] == LinearCost(7 * 1e-5, 8e-9)
+  assert costs["gtopk"].alpha == pytest.approx((3 + 14) * 1e-5)
+  with pytest.raises(ValueError, match="workers"):
+    profiler.network_comm(0, 1e9)
+
+
+def test_measure_compute_orders_layers_and_checks_the_total():
+  model = models.ResNetCifar(depth=8)
+  images = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32, 32, 3)), jnp.float32)
+  labels = jnp.asarray([0, 1, 2, 3], jnp.int32)
+  variables = model.init(jax.random.key(0), images, train=False)
+  result = profiler.measure_compute(model, variables, images, labels, repeats=2)
+  params = variables["params"]
+  assert sorted(result["order"]) == sorted(grouping.leaf_paths(params))
+  assert result["order"][0].startswith("Dense_0")  # the output layer is ready first
+  assert all(t >= 0 for t in result["t_backward"])
+  assert sum(result["t_backward"]) == pytest.approx(result["backward_measured"], rel=1e-9)
+  assert result["backward_sum_alone"] > 0 and math.isfinite(result["backward_difference"])
+  # Every conv/BN layer got time on exactly one of its leaves.
+  timed = {p.rsplit("/", 1)[0] for p, t in zip(result["order"], result["t_backward"]) if t > 0}
+  assert len(timed) >= 10
+
+
+def test_measure_comm_on_local_mesh():
+  mesh = parallel.data_mesh(4)
+  costs, raw = profiler.measure_comm(mesh, [4096, 65536], 0.01, repeats=2)
+  assert set(costs) == {"allreduce", "allgather", "gtopk"}
+  for points in raw.values():
+    assert len(points) == 2 and all(t > 0 for _, t in points)
+
+
+def run_cli(*args, timeout=600):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, "-m", "dlgs_jax.plan", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
+  out = run_cli("--model", "smallcnn", "--density", "0.05", "--batch-size", "4",
+                "--repeats", "1", "--devices", "4", "--out-dir", str(tmp_path))
+  assert out.returncode == 0, out.stdout + out.stderr
+  for name in ("wfbp", "single", "greedy", "optimal"):
+    assert name in out.stdout
+  plan = json.loads((tmp_path / "smallcnn_dlgs_0.05_optimal_plan.json").read_text())
+  assert plan["workers"] == 4 and plan["model"] == "smallcnn"
+  assert (tmp_path / "smallcnn_dlgs_0.05_timeline.png").stat().st_size > 10_000
+  profile = Profile.load(tmp_path / "smallcnn_profile.json")
+  assert profile.num_layers == 16 and set(profile.comm) == {"allreduce", "allgather", "gtopk"}
+  again = run_cli("--model", "smallcnn", "--density", "0.05", "--profile",
+                  str(tmp_path / "smallcnn_profile.json"), "--bandwidth", "1gbit",
+                  "--workers", "16", "--out-dir", str(tmp_path))
+  assert again.returncode == 0, again.stdout + again.stderr
+  assert "16 workers, 1gbit links" in again.stdout
+  assert json.loads((tmp_path / "smallcnn_dlgs_0.05_optimal_plan.json").read_text())["workers"] == 16
+  wrong = run_cli("--model", "vgg16", "--profile", str(tmp_path / "smallcnn_profile.json"),
+                  "--out-dir", str(tmp_path))
+  assert wrong.returncode != 0 and "smallcnn" in wrong.stderr

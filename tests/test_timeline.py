@@ -1,0 +1,98 @@
+import math
+
+import numpy as np
+import pytest
+
+from dlgs_jax import wire
+from dlgs_jax.timeline import LinearCost, MethodCosts, Profile, simulate
+
+
+def make_profile(t_b=(1.0, 2.0, 3.0), sizes=(100, 200, 300), workers=4, **kw):
+  defaults = dict(
+      model="toy", paths=[f"l{i}" for i in range(len(sizes))], sizes=sizes, t_forward=5.0,
+      t_backward=t_b, workers=workers,
+      sparsify={"dlgs": LinearCost(0.5, 0.0)},
+      comm={"allgather": LinearCost(1.0, 0.0), "allreduce": LinearCost(2.0, 0.0),
+            "gtopk": LinearCost(1.0, 0.0)})
+  defaults.update(kw)
+  return Profile(**defaults)
+
+
+def test_simulate_follows_the_paper_equations_by_hand():
+  # t_f=5; layer0: back 5..6, sparsify 6..6.5, comm 6.5..7.5;
+  # layer1: back 6.5..8.5, sparsify ..9, comm 9..10; layer2: back 9..12, sp ..12.5, comm ..13.5
+  tl = simulate(make_profile(), [[0], [1], [2]], MethodCosts("dlgs", 0.1))
+  assert tl.backward_start == [5.0, 6.5, 9.0]
+  assert tl.comm_start == [6.5, 9.0, 12.5]
+  assert tl.t_iter == pytest.approx(13.5)
+  assert tl.compute == 11.0 and tl.sparsify == 1.5
+  assert tl.comm_exposed == pytest.approx(1.0)
+
+
+def test_merged_layers_skip_sparsify_and_comm():
+  # Eq. 6: layers 0 and 1 merged: backward 5..8, one sparsify 8..8.5, comm 8.5..9.5;
+  # layer2: back 8.5..11.5, sparsify ..12, comm 12..13.
+  tl = simulate(make_profile(), [[0, 1], [2]], MethodCosts("dlgs", 0.1))
+  assert tl.backward_start == [5.0, 6.0, 8.5]
+  assert tl.t_iter == pytest.approx(13.0)
+  assert tl.sparsify_time == [0.5, 0.5]
+
+
+def test_comm_waits_for_previous_message():
+  profile = make_profile(t_b=(0.1, 0.1, 0.1), comm={"allgather": LinearCost(4.0, 0.0)})
+  tl = simulate(profile, [[0], [1], [2]], MethodCosts("dlgs", 0.1))
+  assert np.all(np.diff(tl.comm_start) == pytest.approx(4.0))
+  assert tl.t_iter == pytest.approx(tl.comm_start[0] + 12.0)
+
+
+def test_comm_bytes_follow_wire_model():
+  profile = make_profile(sizes=(1000, 10, 10), workers=8)
+  assert MethodCosts("dense", 1.0).comm_bytes(profile, 1000) == wire.allreduce_bytes(1000, 8)
+  assert MethodCosts("dlgs", 0.01).comm_bytes(profile, 1000) == wire.allgather_bytes(10, 8)
+  assert MethodCosts("gtopk", 0.01).comm_bytes(profile, 1000) == wire.gtopk_bytes(10, 8)[0]
+  one = make_profile(workers=1)
+  assert MethodCosts("dense", 1.0).comm_time(one, 10) == 0.0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"paths": [], "sizes": [], "t_b": []}, "no layers"),
+    ({"t_b": (1.0, -2.0, 3.0)}, "-2.0"),
+    ({"t_b": (1.0, math.nan, 3.0)}, "nan"),
+    ({"t_b": (1.0, 2.0)}, "lengths"),
+    ({"sizes": (100, 0, 300)}, "size 0"),
+    ({"t_forward": math.inf}, "inf"),
+    ({"workers": 0}, "workers"),
+])
+def test_bad_profiles_raise(kwargs, match):
+  if "t_b" in kwargs:
+    t_b = kwargs.pop("t_b")
+    if "paths" in kwargs:
+      with pytest.raises(ValueError, match=match):
+        Profile(model="m", t_backward=t_b, t_forward=1.0, workers=2, sparsify={}, comm={},
+                **kwargs)
+      return
+    kwargs["t_b"] = t_b
+  with pytest.raises(ValueError, match=match):
+    make_profile(**kwargs)
+
+
+def test_linear_cost_rejects_negative_and_nonfinite():
+  with pytest.raises(ValueError, match="-1"):
+    LinearCost(-1.0, 0.0)
+  with pytest.raises(ValueError, match="nan"):
+    LinearCost(0.0, math.nan)
+
+
+def test_profile_json_round_trip(tmp_path):
+  profile = make_profile()
+  profile.save(tmp_path / "p.json")
+  assert Profile.load(tmp_path / "p.json") == profile
+  with pytest.raises(ValueError, match="not a valid profile"):
+    Profile.from_dict({"model": "x"})
+
+
+def test_bad_groups_raise():
+  with pytest.raises(ValueError, match="contiguous"):
+    simulate(make_profile(), [[0, 2], [1]], MethodCosts("dlgs", 0.1))
+  with pytest.raises(ValueError, match="contiguous"):
+    simulate(make_profile(), [[0, 1]], MethodCosts("dlgs", 0.1))
