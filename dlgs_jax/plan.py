@@ -12,7 +12,6 @@ the chosen plan and the profile as JSON and a Gantt chart of the timelines.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -41,10 +40,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   if not args.profile:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    if jax.config.jax_platforms in (None, "", "cpu"):
-      jax.config.update("jax_num_cpu_devices", args.devices)
+    # Only takes effect on the CPU backend; must precede the first device use.
+    jax.config.update("jax_num_cpu_devices", args.devices)
 
   from dlgs_jax import planner, profiler, timeline
   from dlgs_jax.timeline import MethodCosts, Profile, simulate
