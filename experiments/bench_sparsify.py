@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import jax
@@ -30,18 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import dlgs_jax
-from dlgs_jax import engine, models, selection
+from dlgs_jax import engine, models, profiler, selection
 
 
 def median_ms(fn, repeats: int) -> float:
   """Median wall time of fn() in ms after one warm-up call (compilation)."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times) * 1e3)
+  return profiler.median_seconds(fn, repeats) * 1e3
 
 
 def make_selectors(params, density, reuse_every):
