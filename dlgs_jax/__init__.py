@@ -20,5 +20,5 @@ __all__ = [
     "CommStats", "DLGSState", "DenseState", "SparseState", "backward_order",
     "comm_stats", "dense", "dense_mean", "dlgs", "gtopk", "gtopk_indices",
     "gtopk_mean", "lags", "leaf_paths", "sparse_allgather_mean", "stats_summary",
-    "topk",
+    "topk", "wire",
 ]

@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from dlgs_jax import selection, wire
 from dlgs_jax.timeline import METHODS, MethodCosts, Profile, simulate
 
 PLANNERS = ("wfbp", "single", "greedy", "optimal")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from dlgs_jax import selection, wire
 

@@ -25,7 +25,7 @@ gradient).
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
