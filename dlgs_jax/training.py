@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax import data, parallel
+from dlgs_jax.state import comm_stats
 
 
 class TrainState(NamedTuple):
@@ -46,20 +47,26 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
-                    *, augment: bool = True, seed: int = 0) -> Callable:
+                    *, augment: bool = True, pad: int = 4, mean=data.CIFAR10_MEAN,
+                    std=data.CIFAR10_STD, seed: int = 0) -> Callable:
   """Builds ``step(state, images, labels) -> (state, metrics)``.
 
   Args:
     model: Flax classifier called as ``model(x, train=...)``.
     tx: optimizer, containing a dlgs_jax transform with the mesh's axis name.
     mesh: 1-D data mesh.
-    augment: CIFAR crop+flip augmentation on the fly.
+    augment: random crop (after `pad`-pixel padding) and flip on the fly; the
+      key depends on (seed, step, worker), so a resumed run draws the same.
+    pad: crop padding in pixels.
+    mean, std: per-channel normalisation (`data.normalize`).
     seed: augmentation seed.
 
   Returns:
     A jitted function. `images` (uint8) and `labels` are per-worker arrays of
     shape ``(workers, batch, ...)``; metrics are replicated scalars: loss,
-    accuracy, and the optimizer's communication statistics.
+    accuracy and, when the optimizer holds `CommStats`, the mean bytes sent and
+    values selected per worker this step and the count of skipped steps. The
+    state argument is donated.
   """
   axis = mesh.axis_names[0]
 
@@ -69,8 +76,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     if augment:
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state.step),
                                jax.lax.axis_index(axis))
-      images = data.augment_cifar(key, images)
-    inputs = data.normalize(images)
+      images = data.augment_cifar(key, images, pad=pad)
+    inputs = data.normalize(images, mean, std)
 
     def loss_fn(params):
       variables = {"params": params}
@@ -89,6 +96,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     batch_stats = jax.lax.pmean(model_updates.get("batch_stats", {}), axis)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     metrics = {"loss": jax.lax.pmean(loss, axis), "accuracy": jax.lax.pmean(accuracy, axis)}
+    stats = comm_stats(opt_state)
+    if stats is not None:
+      # Mean over workers of what each sent this step (selections differ per worker).
+      metrics.update(
+          bytes_sent=jax.lax.pmean(stats.bytes_sent.astype(jnp.float32), axis),
+          selected=jax.lax.pmean(jnp.sum(stats.selected).astype(jnp.float32), axis),
+          skipped=jax.lax.pmax(stats.skipped, axis))
     new_state = TrainState(params, batch_stats, parallel.unsqueeze(opt_state), state.step + 1)
     return new_state, metrics
 
@@ -103,7 +117,48 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
       check_vma=False), donate_argnums=0)
 
 
-def make_eval_fn(model: nn.Module) -> Callable:
+def make_fingerprint_fn(mesh: Mesh) -> Callable:
+  """Builds ``fingerprint(params, batch_stats) -> uint32[workers, 2]``.
+
+  Each worker hashes *its own copy* of the replicated parameters and BatchNorm
+  statistics (a wrapping sum of the raw bits and a position-weighted one), so
+  copies that drifted apart -- on any device of any process -- give different
+  rows. Cheap: two reductions per leaf.
+  """
+  axis = mesh.axis_names[0]
+
+  def local(params, batch_stats):
+    total = jnp.zeros((2,), jnp.uint32)
+    for leaf in jax.tree_util.tree_leaves((params, batch_stats)):
+      bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).reshape(-1)
+      weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+      total = total + jnp.stack([jnp.sum(bits), jnp.sum(bits * weights)])
+    return total[None]
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec()),
+                               out_specs=PartitionSpec(axis), check_vma=False))
+
+
+def check_replicas_identical(fingerprint: Callable, state: TrainState, step: int) -> None:
+  """Fails loudly unless every worker holds bit-identical parameters.
+
+  Raises:
+    RuntimeError: naming the workers whose copies differ from worker 0's.
+  """
+  from jax.experimental import multihost_utils
+
+  prints = fingerprint(state.params, state.batch_stats)
+  if jax.process_count() > 1:
+    prints = multihost_utils.process_allgather(prints, tiled=True)
+  prints = np.asarray(prints)
+  differ = [w for w in range(prints.shape[0]) if not np.array_equal(prints[w], prints[0])]
+  if differ:
+    raise RuntimeError(
+        f"parameters diverged across workers at step {step}: workers {differ} differ from "
+        f"worker 0 (fingerprints {prints.tolist()})")
+
+
+def make_eval_fn(model: nn.Module, mean=data.CIFAR10_MEAN, std=data.CIFAR10_STD) -> Callable:
   """``evaluate(params, batch_stats, images, labels) -> (loss_sum, correct)`` on one device."""
 
   @jax.jit
@@ -111,7 +166,7 @@ def make_eval_fn(model: nn.Module) -> Callable:
     variables = {"params": params}
     if batch_stats:
       variables["batch_stats"] = batch_stats
-    logits = model.apply(variables, data.normalize(images), train=False)
+    logits = model.apply(variables, data.normalize(images, mean, std), train=False)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return losses.sum(), jnp.sum(jnp.argmax(logits, -1) == labels)
 
@@ -120,14 +175,27 @@ def make_eval_fn(model: nn.Module) -> Callable:
 
 def evaluate_dataset(evaluate: Callable, params, batch_stats, dataset: data.Dataset,
                      batch_size: int = 500) -> dict[str, float]:
-  """Test loss and accuracy over a whole dataset (host copies of the parameters)."""
+  """Test loss and accuracy over a whole dataset.
+
+  With several processes each evaluates a contiguous 1/P slice (host copies of
+  the parameters on its first device) and the sums are combined, so every
+  process returns the same numbers.
+  """
+  from jax.experimental import multihost_utils
+
   params, batch_stats = parallel.fetch((params, batch_stats))
+  n = len(dataset.labels)
+  bounds = np.linspace(0, n, jax.process_count() + 1).astype(int)
+  lo, hi = bounds[jax.process_index()], bounds[jax.process_index() + 1]
   loss_sum, correct = 0.0, 0
-  for start in range(0, len(dataset.labels), batch_size):
-    images = dataset.images[start:start + batch_size]
-    labels = dataset.labels[start:start + batch_size]
+  for start in range(lo, hi, batch_size):
+    stop = min(start + batch_size, hi)
+    images = dataset.images[start:stop]
+    labels = dataset.labels[start:stop]
     batch_loss, batch_correct = evaluate(params, batch_stats, images, labels)
     loss_sum += float(batch_loss)
     correct += int(batch_correct)
-  n = len(dataset.labels)
-  return {"test_loss": loss_sum / n, "test_accuracy": correct / n}
+  totals = np.asarray([loss_sum, correct], np.float32)
+  if jax.process_count() > 1:
+    totals = np.asarray(multihost_utils.process_allgather(totals)).reshape(-1, 2).sum(0)
+  return {"test_loss": float(totals[0]) / n, "test_accuracy": float(totals[1]) / n}

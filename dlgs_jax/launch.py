@@ -1,0 +1,176 @@
+"""Start N local training processes: ``dlgs-launch --nproc N -- <dlgs-train args>``.
+
+Each process gets the `jax.distributed` settings of `dlgs_jax.distributed`
+(coordinator on localhost, process count, its id, simulated CPU devices) in its
+environment and runs ``python -m dlgs_jax.train <args>`` (or ``--module``).
+Output is streamed line by line with a ``[rank]`` prefix. If any process
+fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace``
+seconds), so no survivor is left waiting in a collective; the launcher exits
+with the failing process's status. Ctrl-C stops them all.
+
+    dlgs-launch --nproc 4 -- --model resnet20 --method dlgs --epochs 1
+    dlgs-launch --nproc 2 --local-devices 2 -- --model smallcnn --steps 50
+
+CPU only (gloo collectives); on GPU clusters use ``scripts/cluster/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+
+def parse_args(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--" in argv:
+    split = argv.index("--")
+    own, child = argv[:split], argv[split + 1:]
+  else:
+    own, child = argv, []
+  parser = argparse.ArgumentParser(prog="dlgs-launch", description=__doc__.splitlines()[0])
+  parser.add_argument("--nproc", type=int, required=True, help="processes to start")
+  parser.add_argument("--local-devices", type=int, default=1,
+                      help="simulated CPU devices per process (workers per process)")
+  parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+  parser.add_argument("--module", default="dlgs_jax.train", help="python module each process runs")
+  parser.add_argument("--grace", type=float, default=10.0,
+                      help="seconds between SIGTERM and SIGKILL when stopping processes")
+  args = parser.parse_args(own)
+  if args.nproc < 1:
+    parser.error(f"--nproc must be >= 1, got {args.nproc}")
+  if args.local_devices < 1:
+    parser.error(f"--local-devices must be >= 1, got {args.local_devices}")
+  if not 0 <= args.port < 65536:
+    parser.error(f"--port must be in [0, 65536), got {args.port}")
+  return args, child
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def child_env(base: dict, rank: int, nproc: int, coordinator: str, local_devices: int) -> dict:
+  """The environment of process `rank` (read by `dlgs_jax.distributed.initialize`)."""
+  env = dict(base)
+  env.update(DLGS_COORDINATOR_ADDRESS=coordinator, DLGS_NUM_PROCESSES=str(nproc),
+             DLGS_PROCESS_ID=str(rank), DLGS_LOCAL_DEVICES=str(local_devices),
+             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  # A forced host device count would contradict DLGS_LOCAL_DEVICES.
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
+  else:
+    env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _stream(rank: int, pipe, lock: threading.Lock, out) -> None:
+  for line in iter(pipe.readline, ""):
+    with lock:
+      out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
+      out.flush()
+  pipe.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
+  """SIGTERM every live process group, then SIGKILL what is left after `grace` s."""
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, signal.SIGTERM)
+      except ProcessLookupError:
+        pass
+  deadline = time.monotonic() + grace
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      pass
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      p.wait()
+
+
+def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, port: int = 0,
+           module: str = "dlgs_jax.train", grace: float = 10.0, out=None) -> int:
+  """Runs `nproc` processes of ``python -m module child_args``; returns the exit status.
+
+  Returns:
+    0 when every process succeeded; otherwise the status of the first process
+    that failed (a negative status -N, for a process killed by signal N, is
+    returned as 128 + N).
+  """
+  out = out or sys.stdout
+  coordinator = f"127.0.0.1:{port or free_port()}"
+  lock = threading.Lock()
+  procs: list[subprocess.Popen] = []
+  threads = []
+  failed: Optional[tuple[int, int]] = None
+
+  def on_signal(signum, frame):
+    raise KeyboardInterrupt
+
+  previous = signal.signal(signal.SIGTERM, on_signal)
+  try:
+    for rank in range(nproc):
+      p = subprocess.Popen(
+          [sys.executable, "-m", module, *child_args],
+          env=child_env(os.environ, rank, nproc, coordinator, local_devices),
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+          start_new_session=True)
+      procs.append(p)
+      t = threading.Thread(target=_stream, args=(rank, p.stdout, lock, out), daemon=True)
+      t.start()
+      threads.append(t)
+    while True:
+      codes = [p.poll() for p in procs]
+      for rank, code in enumerate(codes):
+        if code not in (None, 0):
+          failed = (rank, code)
+          break
+      if failed or all(code == 0 for code in codes):
+        break
+      time.sleep(0.05)
+  except KeyboardInterrupt:
+    with lock:
+      out.write("dlgs-launch: interrupted, stopping all processes\n")
+    _stop(procs, grace)
+    return 130
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    if failed:
+      _stop(procs, grace)
+    for t in threads:
+      t.join(timeout=5)
+  if failed:
+    rank, code = failed
+    status = 128 - code if code < 0 else code
+    with lock:
+      out.write(f"dlgs-launch: process {rank} exited with status {status}; stopped the others\n")
+      out.flush()
+    return status
+  return 0
+
+
+def main(argv=None) -> int:
+  args, child = parse_args(argv)
+  return launch(args.nproc, child, local_devices=args.local_devices, port=args.port,
+                module=args.module, grace=args.grace)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
