@@ -30,8 +30,21 @@ def _env_int(name: str) -> Optional[int]:
     raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
+# What JAX's SLURM detection reads (jax._src.clusters.SlurmCluster): set by
+# `srun` for each task of a job step.
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                   "SLURM_LOCALID")
+
+
 def in_slurm_job() -> bool:
-  return "SLURM_JOB_ID" in os.environ and "SLURM_NTASKS" in os.environ
+  """True inside a SLURM job step (``srun``), where JAX finds its settings itself.
+
+  JAX then makes one process per accelerator: task ``SLURM_LOCALID`` of a node
+  uses that node's device number ``SLURM_LOCALID`` (so ask SLURM for one task
+  per GPU). ``JAX_COORDINATOR_PORT`` overrides the port JAX derives from the
+  job id.
+  """
+  return all(name in os.environ for name in SLURM_VARIABLES)
 
 
 def initialize(

@@ -1,0 +1,186 @@
+"""The training CLI, run as users run it: separate processes on CPU devices."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from dlgs_jax import grouping, models, planner, train
+from dlgs_jax.timeline import LinearCost, Profile
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
+
+
+def cli_env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the CLI sets its own device count
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def run_cli(args, timeout=400):
+  return subprocess.run([sys.executable, "-m", "dlgs_jax.train", *args], env=cli_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def records(workdir):
+  return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def sha_of(output):
+  lines = [l for l in output.splitlines() if "params_sha256" in l and l.startswith("process")]
+  assert lines, output[-3000:]
+  return lines[-1].split("params_sha256 ")[1].split()[0]
+
+
+@pytest.mark.parametrize("method", ["dlgs", "lags", "topk", "gtopk", "dense"])
+def test_every_method_trains_and_logs(tmp_path, method):
+  result = run_cli([*SMALL, "--method", method, "--density", "0.05", "--local-devices", "4",
+                    "--steps", "4", "--check-every", "2", "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  steps = [r for r in records(tmp_path) if "loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  for r in steps:
+    assert r["bytes_sent"] > 0 and r["step_time"] > 0
+  # lr / 10 after round(4/7 * 4) = 2 and round(6/7 * 4) = 3 steps.
+  assert [r["lr"] for r in steps] == pytest.approx([0.05, 0.05, 0.005, 0.0005])
+  epoch = [r for r in records(tmp_path) if r.get("event") == "epoch_end"]
+  assert len(epoch) == 1 and 0.0 <= epoch[0]["test_accuracy"] <= 1.0
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["workers"] == 4 and summary["steps"] == 4 and summary["method"] == method
+  if method == "dense":
+    assert summary["bytes_sent_per_step"] == pytest.approx(summary["dense_bytes_per_step"])
+  else:  # density 0.05: far less than a dense all-reduce, even with indices
+    assert summary["bytes_sent_per_step"] < 0.5 * summary["dense_bytes_per_step"]
+  assert "epoch   1/1" in result.stdout and "summary:" in result.stdout
+
+
+def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
+  args = [*SMALL, "--local-devices", "2", "--steps", "40", "--density", "0.05",
+          "--reuse-every", "3", "--checkpoint-every", "4", "--check-every", "10"]
+  whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
+  assert whole.returncode == 0, whole.stderr[-3000:]
+
+  workdir = tmp_path / "killed"
+  proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.train", *args, "--workdir",
+                           str(workdir)], env=cli_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and proc.poll() is None:
+    if metrics.exists() and '"step": 10,' in metrics.read_text():
+      break
+    time.sleep(0.01)
+  assert proc.poll() is None, "the run ended before it could be killed"
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved and max(saved) < 40  # really interrupted, after some checkpoint
+
+  resumed = run_cli([*args, "--workdir", str(workdir), "--resume"])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from step {max(saved)}" in resumed.stdout
+  assert sha_of(resumed.stdout) == sha_of(whole.stdout)
+  a = json.loads((tmp_path / "whole" / "summary.json").read_text())
+  b = json.loads((workdir / "summary.json").read_text())
+  assert a["opt_state_sha256_process0"] == b["opt_state_sha256_process0"]
+  assert a["final_test_loss"] == b["final_test_loss"]
+  # The metrics log holds every step once: records past the checkpoint were replaced.
+  steps = [r["step"] for r in records(workdir) if "loss" in r]
+  assert steps == list(range(1, 41))
+  losses = {r["step"]: r["loss"] for r in records(tmp_path / "whole") if "loss" in r}
+  assert all(losses[r["step"]] == r["loss"] for r in records(workdir) if "loss" in r)
+
+  # Checkpoints of another configuration are refused, never misread.
+  for extra, message in ((["--method", "lags"], "method: checkpoint 'dlgs', this run 'lags'"),
+                         (["--local-devices", "4"], "workers: checkpoint 2, this run 4"),
+                         (["--batch-size", "16"], "batch_size: checkpoint 8, this run 16")):
+    refused = run_cli([*args, *extra, "--workdir", str(workdir), "--resume"])
+    assert refused.returncode != 0 and message in refused.stderr, refused.stderr[-2000:]
+  again = run_cli([*args, "--workdir", str(workdir)])
+  assert again.returncode != 0 and "pass --resume" in again.stderr
+
+
+def smallcnn_plan(workers):
+  model, shape = models.create_model("smallcnn")
+  variables = model.init(jax.random.key(0), jax.numpy.zeros((1,) + shape), train=False)
+  order = train.backward_order_of(model, variables["params"], variables["batch_stats"],
+                                  (2,) + shape)
+  sizes = dict(zip(grouping.leaf_paths(variables["params"]),
+                   [int(x.size) for x in jax.tree_util.tree_leaves(variables["params"])]))
+  profile = Profile(
+      model="smallcnn", paths=order, sizes=[sizes[p] for p in order], t_forward=1e-3,
+      t_backward=[1e-4] * len(order), workers=workers,
+      sparsify={"dlgs": LinearCost(1e-4, 1e-9)},
+      comm={"allgather": LinearCost(1e-3, 1e-9)}, source="test")
+  return planner.make_plan(profile, "dlgs", 0.05, "optimal")
+
+
+def test_plan_file_is_used_and_checked(tmp_path):
+  plan = smallcnn_plan(workers=2)
+  assert 1 < len(plan.groups) < len(plan.order)
+  plan.save(tmp_path / "plan.json")
+  args = [*SMALL, "--density", "0.05", "--steps", "2", "--plan", str(tmp_path / "plan.json")]
+  ok = run_cli([*args, "--local-devices", "2", "--workdir", str(tmp_path / "a")])
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+  assert summary["plan_groups"] == len(plan.groups)
+  assert planner.Plan.load(tmp_path / "a" / "plan.json") == plan
+  wrong_p = run_cli([*args, "--local-devices", "4", "--workdir", str(tmp_path / "b")])
+  assert wrong_p.returncode != 0 and "made for 2 workers, this run has 4" in wrong_p.stderr
+  wrong_model = run_cli([*args, "--model", "resnet20", "--local-devices", "2",
+                         "--workdir", str(tmp_path / "c")])
+  assert wrong_model.returncode != 0 and "does not match these parameters" in wrong_model.stderr
+
+
+def test_planner_profiles_and_plans_on_the_fly(tmp_path):
+  result = run_cli([*SMALL, "--local-devices", "2", "--steps", "2", "--planner", "optimal",
+                    "--bandwidth", "1gbit", "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stderr[-3000:]
+  plan = planner.Plan.load(tmp_path / "plan.json")
+  assert plan.planner == "optimal" and plan.workers == 2 and plan.method == "dlgs"
+  assert "planned groups (optimal)" in result.stdout
+  profile = Profile.from_dict(plan.profile)
+  assert "1gbit" in profile.source and profile.t_forward > 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--density", "0"], "--density 0.0 is invalid"),
+    (["--method", "sgd"], "--method 'sgd' is invalid"),
+    (["--epochs", "0"], "--epochs 0 is invalid"),
+    (["--planner", "magic"], "--planner 'magic' is invalid"),
+    (["--method", "topk", "--planner", "optimal"], "planning applies to dense, lags, dlgs"),
+    (["--lr", "-1"], "--lr -1.0 is invalid"),
+    (["--lr-decay-epochs", "a,b"], "--lr-decay-epochs 'a,b' is invalid"),
+])
+def test_bad_flags_are_named(flags, message):
+  with pytest.raises(SystemExit, match=message):
+    args = train.parse_args(flags)
+    train.check_args(args)
+    train.decay_boundaries(args, 10, 100)
+
+
+def test_learning_rate_schedule_divides_by_ten_at_four_and_six_sevenths():
+  args = train.parse_args([])
+  assert train.decay_boundaries(args, 10, 1400) == [800, 1200]  # 80 and 120 of 140 epochs
+  args = train.parse_args(["--lr-decay-epochs", "1,2.5"])
+  assert train.decay_boundaries(args, 10, 1400) == [10, 25]
+
+
+def test_demo_preset_yields_to_given_flags():
+  from dlgs_jax import demo
+  args = demo.demo_args(["--epochs", "2", "--workdir=/tmp/x"])
+  parsed = train.parse_args(args)
+  assert parsed.epochs == 2 and parsed.workdir == "/tmp/x"
+  assert parsed.model == "smallcnn" and parsed.method == "dlgs" and parsed.local_devices == 4
+  assert parsed.density == 0.01
+  fresh = train.parse_args(demo.demo_args([]))
+  assert fresh.workdir.startswith("runs/demo-") and fresh.epochs == 10
