@@ -344,8 +344,9 @@ def train(args) -> int:
   variables = jax.jit(lambda key: model.init(key, sample.astype(np.float32), train=False))(
       jax.random.key(args.seed))
   paths = grouping.leaf_paths(variables["params"])
-  order = backward_order_of(model, variables["params"], variables.get("batch_stats", {}),
-                            sample.shape)
+  # Traced outside shard_map, so without the SyncBN axis (same parameters).
+  order = backward_order_of(model.clone(bn_axis_name=None), variables["params"],
+                            variables.get("batch_stats", {}), sample.shape)
   del variables
   plan = make_or_load_plan(args, mesh, paths, workers, log)
   groups = plan.groups if plan is not None else None

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from dlgs_jax import grouping, models, planner, train
@@ -184,3 +185,26 @@ def test_demo_preset_yields_to_given_flags():
   assert parsed.density == 0.01
   fresh = train.parse_args(demo.demo_args([]))
   assert fresh.workdir.startswith("runs/demo-") and fresh.epochs == 10
+
+
+def test_trains_on_an_image_folder_with_sync_batchnorm(tmp_path):
+  from PIL import Image
+  rng = np.random.default_rng(0)
+  for split, count in (("train", 6), ("val", 2)):
+    for name in ("apple", "pear", "plum"):
+      folder = tmp_path / "images" / split / name
+      folder.mkdir(parents=True)
+      for i in range(count):
+        pixels = rng.integers(0, 256, (20 + i, 24, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.{'png' if i % 2 else 'jpg'}")
+  result = run_cli(["--model", "smallcnn", "--dataset", "imagefolder", "--data-dir",
+                    str(tmp_path / "images"), "--image-size", "16", "--batch-size", "2",
+                    "--local-devices", "2", "--steps", "3", "--sync-bn",
+                    "--workdir", str(tmp_path / "run")])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "imagefolder:" in result.stdout and "(18 train / 6 test)" in result.stdout
+  epoch = [r for r in records(tmp_path / "run") if r.get("event") == "epoch_end"]
+  assert epoch and 0.0 <= epoch[0]["test_accuracy"] <= 1.0
+  missing = run_cli(["--model", "resnet50", "--local-devices", "2", "--workdir",
+                     str(tmp_path / "r50")])
+  assert missing.returncode != 0 and "resnet50 needs --data-dir" in missing.stderr
