@@ -78,3 +78,19 @@ def stats_summary(stats: CommStats) -> dict[str, float]:
       "passed": float(np.mean(np.asarray(stats.passed).sum(axis=-1))),
       "skipped": float(np.max(np.asarray(stats.skipped))),
   }
+
+
+class TernGradState(NamedTuple):
+  """State of `terngrad`."""
+  count: jax.Array   # int32[]: steps taken (skipped steps not counted)
+  key: jax.Array     # uint32[2]: raw PRNG key; folded with the step and worker index each step
+  stats: CommStats
+
+
+class DGCState(NamedTuple):
+  """State of `dgc` (Lin et al. 2018)."""
+  count: jax.Array   # int32[]: steps taken (skipped steps not counted)
+  velocity: Any      # params-shaped tree, float32: momentum u, masked where values were sent
+  residuals: Any     # params-shaped tree, float32: accumulated velocity v not sent yet (0 for dense leaves)
+  key: jax.Array     # uint32[2]: raw PRNG key for threshold sampling
+  stats: CommStats

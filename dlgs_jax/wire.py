@@ -60,3 +60,15 @@ def gtopk_bytes(k: int, workers: int, rank=None):
   received = (jnp.where(in_doubling, rounds * message, 4 * k)
               + jnp.where(helps_extra, message, 0) + reduce)
   return sent.astype(jnp.float32), received.astype(jnp.float32)
+
+
+def packed_allgather_bytes(num_bytes: int, workers: int) -> float:
+  """Bytes sent (= received) per worker by a ring all-gather of `num_bytes` bytes each."""
+  if workers <= 1:
+    return 0.0
+  return float((workers - 1) * num_bytes)
+
+
+def ternary_bytes(num_values: int) -> int:
+  """Bytes of `num_values` ternary values packed four to a byte (2 bits each)."""
+  return -(-num_values // 4)

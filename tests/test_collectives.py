@@ -141,3 +141,57 @@ def test_dense_mean_and_single_worker_identity():
       np.asarray(jax.jit(lambda v, i: collectives.sparse_allgather_mean(v, i, 9, axis_name=None))(
           y[:3], jnp.asarray([0, 4, 9], jnp.int32))),
       np.asarray([x[0, 0], 0, 0, 0, x[0, 1], 0, 0, 0, 0]), rtol=1e-6)
+
+
+def ppermute_payload(fn, workers, x):
+  """Number of ppermutes and the elements they carry per worker, from the jaxpr."""
+  mesh = parallel.data_mesh(workers)
+  wrapped = jax.shard_map(lambda a: parallel.unsqueeze(fn(a[0])), mesh=mesh,
+                          in_specs=P("data"), out_specs=P("data"))
+  jaxpr = jax.make_jaxpr(wrapped)(x)
+  sizes = []
+
+  def walk(jp):
+    for eqn in jp.eqns:
+      if eqn.primitive.name == "ppermute":
+        sizes.append(int(np.prod(eqn.invars[0].aval.shape)))
+      for param in eqn.params.values():
+        if hasattr(param, "eqns"):
+          walk(param)  # a Jaxpr
+        elif hasattr(getattr(param, "jaxpr", None), "eqns"):
+          walk(param.jaxpr)  # a ClosedJaxpr
+  walk(jaxpr.jaxpr)
+  return sizes
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 8])
+@pytest.mark.parametrize("shape", [(5, 7), (16,), (1,)])
+def test_ring_allreduce_equals_psum(workers, shape):
+  rng = np.random.default_rng(workers * 100 + len(shape))
+  ints = rng.integers(-1000, 1000, (workers,) + shape).astype(np.int32)
+  out = run(lambda x: collectives.ring_allreduce(x, axis_name="data"), workers, ints)
+  for w in range(workers):  # exact for integers
+    np.testing.assert_array_equal(out[w], ints.sum(0))
+  floats = rng.standard_normal((workers,) + shape).astype(np.float32)
+  ring = run(lambda x: collectives.ring_allreduce(x, axis_name="data"), workers, floats)
+  psum = run(lambda x: jax.lax.psum(x, "data"), workers, floats)
+  for w in range(workers):
+    np.testing.assert_allclose(ring[w], psum[w], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ring[w], ring[0])  # each chunk summed at one worker
+
+
+@pytest.mark.parametrize("workers,size", [(2, 10), (3, 35), (4, 35), (8, 64), (8, 3)])
+def test_ring_allreduce_sends_two_p_minus_one_chunks(workers, size):
+  x = np.zeros((workers, size), np.float32)
+  sizes = ppermute_payload(lambda a: collectives.ring_allreduce(a, axis_name="data"), workers, x)
+  chunk = -(-size // workers)
+  assert len(sizes) == 2 * (workers - 1) and set(sizes) == {chunk}
+  # 2(P-1)/P of the data (up to padding to a multiple of P), as a ring all-reduce should.
+  assert sum(sizes) == 2 * (workers - 1) * chunk
+  if size % workers == 0:
+    assert sum(sizes) * 4 == wire.allreduce_bytes(size, workers)
+
+
+def test_ring_allreduce_single_worker_is_identity():
+  x = jnp.arange(6.0).reshape(2, 3)
+  np.testing.assert_array_equal(collectives.ring_allreduce(x, axis_name=None), x)
