@@ -3,22 +3,24 @@
 The core is `dlgs`, dynamic layer-wise gradient sparsification with reused
 thresholds and planned layer merging (Ju et al., J. Xi'an Jiaotong Univ. 58(9),
 2024), next to the methods it is compared with: `dense`, `topk`, `lags`,
-`gtopk`.
+`gtopk`, `dgc` (Deep Gradient Compression) and `terngrad`.
 """
 
-from dlgs_jax.collectives import (dense_mean, gtopk_indices, gtopk_mean,
+from dlgs_jax.collectives import (dense_mean, gtopk_indices, gtopk_mean, ring_allreduce,
                                   sparse_allgather_mean)
+from dlgs_jax.dgc import dgc
 from dlgs_jax.grouping import backward_order, leaf_paths
-from dlgs_jax.state import (CommStats, DenseState, DLGSState, SparseState,
-                            comm_stats, stats_summary)
+from dlgs_jax.state import (CommStats, DenseState, DGCState, DLGSState, SparseState,
+                            TernGradState, comm_stats, stats_summary)
+from dlgs_jax.terngrad import terngrad
 from dlgs_jax.transforms import dense, dlgs, gtopk, lags, topk
 from dlgs_jax import wire
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommStats", "DLGSState", "DenseState", "SparseState", "backward_order",
-    "comm_stats", "dense", "dense_mean", "dlgs", "gtopk", "gtopk_indices",
-    "gtopk_mean", "lags", "leaf_paths", "sparse_allgather_mean", "stats_summary",
-    "topk", "wire",
+    "CommStats", "DGCState", "DLGSState", "DenseState", "SparseState", "TernGradState",
+    "backward_order", "comm_stats", "dense", "dense_mean", "dgc", "dlgs", "gtopk",
+    "gtopk_indices", "gtopk_mean", "lags", "leaf_paths", "ring_allreduce",
+    "sparse_allgather_mean", "stats_summary", "terngrad", "topk", "wire",
 ]

@@ -11,7 +11,8 @@ One process or many (`jax.distributed`; see `dlgs_jax.distributed` and
 
 Optimizer: the chosen compressor (which averages gradients across workers),
 then weight decay (added after the exchange, so it costs no traffic and never
-enters the residuals), then SGD with momentum. The learning rate is divided by
+enters the residuals), then SGD with momentum. DGC is the exception, as in its
+paper: weight decay, then DGC (which holds the momentum), then plain SGD. The learning rate is divided by
 10 after 4/7 and 6/7 of the steps (the paper's 80 and 120 of 140 epochs) unless
 ``--lr-decay-epochs`` says otherwise.
 
@@ -31,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("dense", "topk", "lags", "gtopk", "dlgs")
+METHODS = ("dense", "topk", "lags", "gtopk", "dlgs", "dgc", "terngrad")
 PLANNERS = ("none", "wfbp", "single", "greedy", "optimal")
 CIFAR_MODELS = ("smallcnn", "resnet20", "vgg16")
 
@@ -46,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--density", type=float, default=0.01, help="fraction of values sent (sparse methods)")
   add("--reuse-every", type=int, default=10, help="DLGS: exact threshold every this many steps")
   add("--collective", default="allgather", help="lags/dlgs collective: allgather or gtopk")
+  add("--dgc-warmup-epochs", type=float, default=4.0,
+      help="DGC: epochs of exponential density warm-up from 0.25 (capped at a quarter of the run)")
+  add("--terngrad-clip", type=float, default=2.5,
+      help="TernGrad: clip at this many standard deviations (0: no clipping)")
   add("--planner", default="none",
       help=f"layer merging for dense/lags/dlgs, one of {PLANNERS}; 'none': dense fuses "
            "everything into one message, lags/dlgs send each leaf alone")
@@ -76,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--checkpoint-every", type=int, default=0,
       help="save every N steps (0: at the end of every epoch)")
   add("--keep", type=int, default=3, help="checkpoints kept")
+  add("--stop-after", type=int, default=0,
+      help="leave after this many steps of this run with a checkpoint (time-limited jobs; "
+           "continue with --resume); 0: run to the end")
   add("--check-every", type=int, default=100,
       help="verify every N steps that all workers hold identical parameters (0: only at the "
            "start and end)")
@@ -107,6 +115,7 @@ def check_args(args: argparse.Namespace) -> None:
   for flag, value, low in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
                            ("--reuse-every", args.reuse_every, 1), ("--keep", args.keep, 1),
                            ("--checkpoint-every", args.checkpoint_every, 0),
+                           ("--stop-after", args.stop_after, 0),
                            ("--check-every", args.check_every, 0),
                            ("--eval-batch-size", args.eval_batch_size, 1),
                            ("--synthetic-examples", args.synthetic_examples, 1)):
@@ -120,9 +129,13 @@ def check_args(args: argparse.Namespace) -> None:
     bad("--momentum", args.momentum, "must be in [0, 1)")
   if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
     bad("--weight-decay", args.weight_decay, "must be >= 0")
-  if args.method in ("topk", "gtopk") and (args.planner != "none" or args.plan):
+  if args.dgc_warmup_epochs < 0:
+    bad("--dgc-warmup-epochs", args.dgc_warmup_epochs, "must be >= 0")
+  if args.terngrad_clip < 0:
+    bad("--terngrad-clip", args.terngrad_clip, "must be >= 0")
+  if args.method in ("topk", "gtopk", "dgc", "terngrad") and (args.planner != "none" or args.plan):
     bad("--planner/--plan", args.plan or args.planner,
-        f"{args.method} sends one message for all layers; planning applies to dense, lags, dlgs")
+        f"planning applies to dense, lags and dlgs, not {args.method}")
   if args.plan and args.planner != "none":
     bad("--plan", args.plan, "give either --plan or --planner, not both")
 
@@ -139,11 +152,26 @@ def decay_boundaries(args, steps_per_epoch: int, total_steps: int) -> list[int]:
   return [int(round(total_steps * 4 / 7)), int(round(total_steps * 6 / 7))]
 
 
-def build_optimizer(args, axis: str, schedule, groups, order):
+def dgc_warmup_steps(args, steps_per_epoch: int, total_steps: int) -> int:
+  return min(int(round(args.dgc_warmup_epochs * steps_per_epoch)), total_steps // 4)
+
+
+def build_optimizer(args, axis: str, schedule, groups, order, *, warmup_steps: int = 0):
   import optax
   import dlgs_jax
 
-  if args.method == "dense":
+  if args.method == "dgc":
+    # Momentum lives inside DGC (momentum correction), and weight decay goes in
+    # before it, as in the paper; the optimizer after it is plain SGD.
+    return optax.chain(
+        optax.add_decayed_weights(args.weight_decay),
+        dlgs_jax.dgc(args.density, axis_name=axis, momentum=args.momentum,
+                     warmup_steps=warmup_steps, seed=args.seed),
+        optax.sgd(schedule))
+  if args.method == "terngrad":
+    compressor = dlgs_jax.terngrad(axis_name=axis, clip=args.terngrad_clip or None,
+                                   seed=args.seed)
+  elif args.method == "dense":
     compressor = dlgs_jax.dense(axis_name=axis, groups=groups or [list(order)], order=order)
   elif args.method == "topk":
     compressor = dlgs_jax.topk(args.density, axis_name=axis)
@@ -350,7 +378,8 @@ def train(args) -> int:
   del variables
   plan = make_or_load_plan(args, mesh, paths, workers, log)
   groups = plan.groups if plan is not None else None
-  tx = build_optimizer(args, axis, schedule, groups, order)
+  warmup = dgc_warmup_steps(args, spe, total_steps) if args.method == "dgc" else 0
+  tx = build_optimizer(args, axis, schedule, groups, order, warmup_steps=warmup)
   state = training.init_train_state(model, tx, sample, mesh, args.seed)
   step_fn = training.make_train_step(model, tx, mesh, augment=not args.no_augment, pad=pad,
                                      mean=train_set.mean, std=train_set.std, seed=args.seed)
@@ -360,9 +389,11 @@ def train(args) -> int:
   plan_json = plan.to_json() if plan is not None else None
   run = {
       "model": args.model, "method": args.method,
-      "density": None if args.method == "dense" else args.density,
+      "density": None if args.method in ("dense", "terngrad") else args.density,
       "reuse_every": args.reuse_every if args.method == "dlgs" else None,
       "collective": args.collective if args.method in ("lags", "dlgs") else None,
+      "dgc_warmup_steps": warmup if args.method == "dgc" else None,
+      "terngrad_clip": args.terngrad_clip if args.method == "terngrad" else None,
       "workers": workers, "batch_size": args.batch_size,
       "plan_id": (hashlib.sha256(json.dumps(plan.groups).encode()).hexdigest()[:16]
                   if plan is not None else f"default:{args.planner}"),
@@ -396,7 +427,8 @@ def train(args) -> int:
   log(f"{args.model} ({num_params:,} parameters), {dataset_name} "
       f"({len(train_set.labels):,} train / {len(test_set.labels):,} test), {workers} workers "
       f"({jax.process_count()} processes) x batch {args.batch_size}; {args.method}"
-      + (f" density {args.density:g}" if args.method != "dense" else "")
+      + (f" density {args.density:g}" if run["density"] is not None else "")
+      + (f" (warm-up {warmup} steps)" if warmup else "")
       + (f", {len(plan.groups)} planned groups ({plan.planner})" if plan else "")
       + f"; {epochs} epochs x {spe} steps = {total_steps} steps")
 
@@ -407,6 +439,7 @@ def train(args) -> int:
   pending = None  # (step, metrics, epoch): resolved after the next step is dispatched
   last_done = time.perf_counter()
   result = None
+  stopped = False  # by --stop-after
 
   def resolve(item, bar):
     nonlocal last_done
@@ -456,11 +489,16 @@ def train(args) -> int:
             not args.checkpoint_every and end_of_epoch):
           position = {"epoch": step // spe, "batch": step % spe, "steps_per_epoch": spe}
           ckpt.save(step, state, data_position=position, plan_json=plan_json)
+        if args.stop_after and step - start_step >= args.stop_after:
+          stopped = True
+          break
       if pending is not None:
         resolve(pending, bar)
         pending = None
       if bar is not None:
         bar.close()
+      if stopped and step < epoch * spe + steps_this_epoch:
+        break  # mid-epoch: its evaluation happens when the run resumes
       result = training.evaluate_dataset(evaluate, state.params, state.batch_stats, test_set,
                                          args.eval_batch_size)
       epoch_records = [r for r in history if r["epoch"] == epoch]
@@ -475,6 +513,8 @@ def train(args) -> int:
           + (f"train loss {record['train_loss']:.4f}  train acc {record['train_accuracy']:.3f}  "
              f"{record['images_per_s']:.0f} img/s  " if epoch_records else "")
           + f"test loss {result['test_loss']:.4f}  test acc {result['test_accuracy']:.3f}")
+      if stopped:
+        break
     training.check_replicas_identical(fingerprint, state, step)
     if ckpt.latest_step() != step:
       ckpt.save(step, state, data_position={"epoch": step // spe, "batch": step % spe,
@@ -504,8 +544,12 @@ def train(args) -> int:
       "final_test_loss": result["test_loss"] if result else None,
       "final_test_accuracy": result["test_accuracy"] if result else None,
       "plan_groups": len(plan.groups) if plan else None,
+      "stopped_early": stopped,
       "params_sha256": params_sha, "opt_state_sha256_process0": opt_sha,
   }
+  if leader and stopped:
+    print(f"stopped after {step - start_step} steps at step {step} of {total_steps} "
+          "(--stop-after); continue with --resume", flush=True)
   if leader:
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("summary: " + ", ".join(

@@ -42,7 +42,7 @@ def sha_of(output):
   return lines[-1].split("params_sha256 ")[1].split()[0]
 
 
-@pytest.mark.parametrize("method", ["dlgs", "lags", "topk", "gtopk", "dense"])
+@pytest.mark.parametrize("method", ["dlgs", "lags", "topk", "gtopk", "dense", "dgc", "terngrad"])
 def test_every_method_trains_and_logs(tmp_path, method):
   result = run_cli([*SMALL, "--method", method, "--density", "0.05", "--local-devices", "4",
                     "--steps", "4", "--check-every", "2", "--workdir", str(tmp_path)])
@@ -57,10 +57,13 @@ def test_every_method_trains_and_logs(tmp_path, method):
   assert len(epoch) == 1 and 0.0 <= epoch[0]["test_accuracy"] <= 1.0
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["workers"] == 4 and summary["steps"] == 4 and summary["method"] == method
+  dense_bytes = summary["dense_bytes_per_step"]
   if method == "dense":
-    assert summary["bytes_sent_per_step"] == pytest.approx(summary["dense_bytes_per_step"])
-  else:  # density 0.05: far less than a dense all-reduce, even with indices
-    assert summary["bytes_sent_per_step"] < 0.5 * summary["dense_bytes_per_step"]
+    assert summary["bytes_sent_per_step"] == pytest.approx(dense_bytes)
+  elif method == "terngrad":  # all-gather of 2-bit values: (P-1)/4 bytes per value
+    assert steps[-1]["bytes_sent"] == pytest.approx(dense_bytes * (3 / 4) / 6, rel=0.01)
+  else:  # density 0.05 (DGC after its one warm-up step): far below a dense all-reduce
+    assert steps[-1]["bytes_sent"] < 0.5 * dense_bytes
   assert "epoch   1/1" in result.stdout and "summary:" in result.stdout
 
 
