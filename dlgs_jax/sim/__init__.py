@@ -1,0 +1,1 @@
+"""Simulators of communication schedules (plain Python, no JAX)."""
