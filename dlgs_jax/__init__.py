@@ -8,11 +8,11 @@ thresholds and planned layer merging (Ju et al., J. Xi'an Jiaotong Univ. 58(9),
 
 from dlgs_jax.collectives import (dense_mean, gtopk_indices, gtopk_mean, ring_allreduce,
                                   sparse_allgather_mean)
-from dlgs_jax.dgc import dgc
+from dlgs_jax.deep_gradient_compression import dgc
 from dlgs_jax.grouping import backward_order, leaf_paths
 from dlgs_jax.state import (CommStats, DenseState, DGCState, DLGSState, SparseState,
                             TernGradState, comm_stats, stats_summary)
-from dlgs_jax.terngrad import terngrad
+from dlgs_jax.ternary import terngrad
 from dlgs_jax.transforms import dense, dlgs, gtopk, lags, topk
 from dlgs_jax import wire
 

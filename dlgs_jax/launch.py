@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 def parse_args(argv=None):
@@ -106,8 +106,24 @@ def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
 
 
 def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, port: int = 0,
-           module: str = "dlgs_jax.train", grace: float = 10.0, out=None) -> int:
+           module: str = "dlgs_jax.train", grace: float = 10.0, out=None,
+           coordinator: Optional[str] = None,
+           wrap: Optional[Callable[[int], Sequence[str]]] = None,
+           extra_env: Optional[dict] = None) -> int:
   """Runs `nproc` processes of ``python -m module child_args``; returns the exit status.
+
+  Args:
+    nproc: processes.
+    child_args: arguments of the module.
+    local_devices: simulated CPU devices per process.
+    port: coordinator port on localhost (0: a free one).
+    module: the python module each process runs.
+    grace: seconds between SIGTERM and SIGKILL when stopping processes.
+    out: where the prefixed output goes (default stdout).
+    coordinator: "host:port" of process 0's coordinator, instead of localhost.
+    wrap: ``wrap(rank)`` gives a command prefix for that process (e.g.
+      ``["ip", "netns", "exec", name]``).
+    extra_env: variables added to every process's environment.
 
   Returns:
     0 when every process succeeded; otherwise the status of the first process
@@ -115,7 +131,7 @@ def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, por
     returned as 128 + N).
   """
   out = out or sys.stdout
-  coordinator = f"127.0.0.1:{port or free_port()}"
+  coordinator = coordinator or f"127.0.0.1:{port or free_port()}"
   lock = threading.Lock()
   procs: list[subprocess.Popen] = []
   threads = []
@@ -127,9 +143,10 @@ def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, por
   previous = signal.signal(signal.SIGTERM, on_signal)
   try:
     for rank in range(nproc):
+      env = child_env(os.environ, rank, nproc, coordinator, local_devices)
+      env.update(extra_env or {})
       p = subprocess.Popen(
-          [sys.executable, "-m", module, *child_args],
-          env=child_env(os.environ, rank, nproc, coordinator, local_devices),
+          [*(wrap(rank) if wrap else []), sys.executable, "-m", module, *child_args], env=env,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
           start_new_session=True)
       procs.append(p)

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from dlgs_jax import dgc as dgc_lib
+from dlgs_jax import deep_gradient_compression as dgc_lib
 from dlgs_jax import selection
 from tests.helpers import random_grads, run_steps
 

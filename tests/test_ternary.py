@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dlgs_jax import parallel, wire
-from dlgs_jax import terngrad as tg
+from dlgs_jax import ternary as tg
 from tests.helpers import random_grads, run_steps
 
 PARAMS = {"w": jnp.zeros((6, 7)), "b": jnp.zeros((5,))}
