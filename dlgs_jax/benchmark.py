@@ -1,0 +1,192 @@
+"""Iteration time and its measured breakdown, on the processes of the current job.
+
+Run one copy per process (e.g. by `dlgs_jax.cluster` or ``dlgs-launch
+--module dlgs_jax.benchmark``). Every process times, in lockstep (a barrier
+before each repetition), four jitted programs on the same synthetic batch:
+
+* ``compute``  -- forward + backward on the local batch;
+* ``compress`` -- compute + the method's update with ``axis_name=None``:
+  selection and residual bookkeeping, no communication;
+* ``exchange`` -- the method's update inside ``shard_map`` on fixed gradients:
+  selection + collectives, no forward/backward;
+* ``step``     -- the real training step (compute, selection, collectives).
+
+Breakdown (medians): compute; sparsification = compress - compute;
+non-overlapped communication = step - compress; communication alone =
+exchange - (compress - compute); overlap = communication alone - non-overlapped
+(how much of the collectives XLA hid behind the backward pass).
+
+With ``--profile-out`` it instead measures a planner profile on the same
+processes (`profiler.profile_model`) and writes it from process 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m dlgs_jax.benchmark",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="resnet20")
+  parser.add_argument("--method", default="dlgs")
+  parser.add_argument("--density", type=float, default=0.01)
+  parser.add_argument("--reuse-every", type=int, default=10)
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--image-size", type=int)
+  parser.add_argument("--plan", help="plan JSON giving the method's groups")
+  parser.add_argument("--steps", type=int, default=20, help="timed repetitions per program")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--out", help="JSON result (written by process 0)")
+  parser.add_argument("--profile-out", help="measure a planner profile instead, write it here")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from dlgs_jax import distributed
+  distributed.initialize()
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jax.sharding import PartitionSpec as P
+
+  import dlgs_jax
+  from dlgs_jax import data, grouping, models, parallel, planner, profiler, train, training
+
+  mesh = parallel.data_mesh()
+  workers = int(mesh.devices.size)
+  leader = jax.process_index() == 0
+  if args.profile_out:
+    profile, details = profiler.profile_model(
+        args.model, density=args.density, batch_size=args.batch_size,
+        image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every)
+    if leader:
+      profile.save(args.profile_out)
+      with open(args.profile_out + ".details.json", "w") as f:
+        json.dump({k: v for k, v in details.items() if not k.endswith("_raw")}, f, indent=1)
+      print(f"profile written to {args.profile_out}: {profile.source}", flush=True)
+    return 0
+
+  model, shape = models.create_model(args.model)
+  if args.image_size:
+    shape = (args.image_size, args.image_size, shape[2])
+  rng = np.random.default_rng(jax.process_index())
+  local = parallel.local_worker_count(mesh)
+  images = rng.integers(0, 256, (local, args.batch_size) + shape, dtype=np.uint8)
+  labels = rng.integers(0, model.num_classes, (local, args.batch_size)).astype(np.int32)
+  settings = train.parse_args(["--method", args.method, "--density", str(args.density),
+                               "--reuse-every", str(args.reuse_every)])
+  sample = np.zeros((1,) + shape, np.uint8)
+  variables = model.init(jax.random.key(0), sample.astype(np.float32), train=False)
+  order = train.backward_order_of(model, variables["params"], variables.get("batch_stats", {}),
+                                  sample.shape)
+  plan = planner.Plan.load(args.plan) if args.plan else None
+  if plan is not None:
+    plan.check_compatible(paths=grouping.leaf_paths(variables["params"]), workers=workers)
+  groups = plan.groups if plan else None
+  tx = train.build_optimizer(settings, "data", 0.01, groups, order)
+  tx_local = train.build_optimizer(settings, None, 0.01, groups, order)
+  state = training.init_train_state(model, tx, sample, mesh, seed=0)
+  step_fn = training.make_train_step(model, tx, mesh, augment=False)
+  batch = parallel.shard_batch((images, labels), mesh)
+
+  params = jax.device_put(parallel.fetch(state.params), jax.local_devices()[0])
+  batch_stats = jax.device_put(parallel.fetch(state.batch_stats), jax.local_devices()[0])
+  x = jnp.asarray(images[0])
+  y = jnp.asarray(labels[0])
+
+  def loss_fn(p, x, y):
+    variables = {"params": p}
+    if batch_stats:
+      variables["batch_stats"] = batch_stats
+      logits = model.apply(variables, data.normalize(x), train=True,
+                           mutable=["batch_stats"])[0]
+    else:
+      logits = model.apply(variables, data.normalize(x), train=True)
+    return training.cross_entropy(logits, y)
+
+  grad_fn = jax.jit(jax.grad(loss_fn))
+  local_state = tx_local.init(params)
+
+  @jax.jit
+  def compress_fn(p, s, x, y):
+    return tx_local.update(grad_fn(p, x, y), s, p)
+
+  grads_fixed = parallel.stack_per_worker(grad_fn(params, x, y), mesh)
+
+  def exchange(g, s, p):
+    u, s = tx.update(parallel.squeeze(g), parallel.squeeze(s), p)
+    return u, parallel.unsqueeze(s)
+
+  exchange_fn = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("data"), P("data"), P()),
+                                      out_specs=(P(), P("data")), check_vma=False))
+
+  def timed(run):
+    for _ in range(args.warmup):
+      jax.block_until_ready(run())
+    times = []
+    for _ in range(args.steps):
+      multihost_utils.sync_global_devices("bench")
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times.append(time.perf_counter() - start)
+    return times
+
+  holder = {"state": state, "local": local_state}
+
+  def run_step():
+    holder["state"], metrics = step_fn(holder["state"], *batch)
+    return metrics
+
+  def run_compress():
+    update, holder["local"] = compress_fn(params, holder["local"], x, y)
+    return update
+
+  raw = {
+      "compute": timed(lambda: grad_fn(params, x, y)),
+      "compress": timed(run_compress),
+      "exchange": timed(lambda: exchange_fn(grads_fixed, holder["state"].opt_state,
+                                            holder["state"].params)),
+      "step": timed(run_step),
+  }
+  stats = dlgs_jax.stats_summary(parallel.fetch(dlgs_jax.comm_stats(holder["state"].opt_state)))
+  med = {k: float(np.median(v)) for k, v in raw.items()}
+  # Every process's medians, so the slowest worker is visible too.
+  all_med = np.asarray(multihost_utils.process_allgather(
+      np.asarray([med[k] for k in ("compute", "compress", "exchange", "step")], np.float32)))
+  result = {
+      "model": args.model, "method": args.method, "density": args.density,
+      "workers": workers, "batch_size": args.batch_size, "image_shape": list(shape),
+      "plan_groups": len(plan.groups) if plan else None,
+      "median": med, "per_process_median": all_med.reshape(-1, 4).tolist(),
+      "breakdown": {
+          "compute": med["compute"],
+          "sparsify": max(med["compress"] - med["compute"], 0.0),
+          "comm_exposed": max(med["step"] - med["compress"], 0.0),
+          "comm_alone": max(med["exchange"] - (med["compress"] - med["compute"]), 0.0),
+      },
+      "bytes_sent": stats["bytes_sent"], "selected": stats["selected"],
+      "raw": raw,
+  }
+  result["breakdown"]["overlap"] = (result["breakdown"]["comm_alone"]
+                                    - result["breakdown"]["comm_exposed"])
+  if leader:
+    print(f"{args.model} {args.method} P={workers}: step {med['step'] * 1e3:.1f} ms, compute "
+          f"{med['compute'] * 1e3:.1f}, sparsify {result['breakdown']['sparsify'] * 1e3:.1f}, "
+          f"comm exposed {result['breakdown']['comm_exposed'] * 1e3:.1f}, comm alone "
+          f"{result['breakdown']['comm_alone'] * 1e3:.1f} ms, {stats['bytes_sent'] / 1e6:.2f} MB "
+          "sent per worker", flush=True)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
