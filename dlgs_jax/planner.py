@@ -77,6 +77,8 @@ def optimal(profile: Profile, costs: MethodCosts) -> list[list[int]]:
       t_c = costs.comm_time(profile, size)
       t1 = t0 + (backward[m] - backward[j]) + t_s
       c1 = np.maximum(t1, c0) + t_c
+      if not profile.overlap:
+        t1 = c1  # the collective blocks the compute stream
       pool_t.append(t1)
       pool_c.append(c1)
       pool_j.append(np.full(t1.shape, j))

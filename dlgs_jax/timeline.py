@@ -57,6 +57,10 @@ class Profile:
     comm: communication cost per collective as a function of the bytes each
       worker sends ("allreduce", "allgather", "gtopk").
     source: how the numbers were obtained (e.g. "measured on 8 CPU devices").
+    overlap: whether a group's collective runs while backward computation
+      continues (GPU with async collectives). False: collectives block the
+      compute stream, as measured with XLA on CPU (experiments/README.md), so
+      the iteration is the plain sum of all times.
   """
   model: str
   paths: tuple[str, ...]
@@ -67,6 +71,7 @@ class Profile:
   sparsify: dict[str, LinearCost]
   comm: dict[str, LinearCost]
   source: str = ""
+  overlap: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "paths", tuple(self.paths))
@@ -115,7 +120,7 @@ class Profile:
           workers=int(data["workers"]),
           sparsify={k: LinearCost(**v) for k, v in data.get("sparsify", {}).items()},
           comm={k: LinearCost(**v) for k, v in data.get("comm", {}).items()},
-          source=data.get("source", ""))
+          source=data.get("source", ""), overlap=bool(data.get("overlap", True)))
     except (KeyError, TypeError) as e:
       raise ValueError(f"not a valid profile: {e!r}") from None
 
@@ -136,9 +141,16 @@ class Profile:
 
 @dataclasses.dataclass(frozen=True)
 class MethodCosts:
-  """Per-message sparsification and communication times for one method."""
+  """Per-message sparsification and communication times for one method.
+
+  `fixed_collectives` counts small all-reduces every iteration pays besides
+  the gradient messages (the train step has two: the workers' agreement on
+  finite gradients, and the fused mean of BatchNorm statistics and metrics);
+  each costs the all-reduce latency.
+  """
   method: str
   density: float
+  fixed_collectives: int = 0
 
   def sparsify_time(self, profile: Profile, size: int) -> float:
     cost = profile.sparsify.get(self.method)
@@ -197,6 +209,13 @@ def check_groups(groups: Sequence[Sequence[int]], num_layers: int) -> list[list[
   return groups
 
 
+def fixed_overhead(profile: Profile, costs: MethodCosts) -> float:
+  """Latency of the iteration's small fixed collectives (see `MethodCosts`)."""
+  if profile.workers <= 1 or not costs.fixed_collectives or "allreduce" not in profile.comm:
+    return 0.0
+  return costs.fixed_collectives * profile.comm["allreduce"].alpha
+
+
 def simulate(profile: Profile, groups: Sequence[Sequence[int]], costs: MethodCosts) -> Timeline:
   """Iteration time of `groups` by eqs. (3)-(7), merged layers per eq. (6).
 
@@ -228,11 +247,14 @@ def simulate(profile: Profile, groups: Sequence[Sequence[int]], costs: MethodCos
     c_start.append(start)
     c_time.append(t_c)
     comm_clock = start + t_c
-  t_iter = max(comm_clock, compute_clock)
+    if not profile.overlap:
+      compute_clock = comm_clock  # the collective blocks the compute stream
+  t_iter = max(comm_clock, compute_clock) + fixed_overhead(profile, costs)
   compute = profile.t_forward + sum(profile.t_backward)
   sparsify = sum(s_time)
+  comm_total = sum(c_time) + fixed_overhead(profile, costs)
   return Timeline(
-      t_iter=t_iter, compute=compute, sparsify=sparsify, comm=sum(c_time),
+      t_iter=t_iter, compute=compute, sparsify=sparsify, comm=comm_total,
       comm_exposed=t_iter - compute - sparsify, backward_start=backward_start,
       groups=groups, sparsify_start=s_start, sparsify_time=s_time,
       comm_start=c_start, comm_time=c_time)

@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         for method in methods:
           plan_args, predicted = [], None
           if method in PREDICTABLE:
-            costs = MethodCosts(method, 1.0 if method == "dense" else density)
+            costs = MethodCosts(method, 1.0 if method == "dense" else density,
+                                fixed_collectives=2)
             grouping = GROUPING[method]
             groups = planner.PLANNER_FUNCTIONS[grouping](profile, costs)
             predicted = simulate(profile, groups, costs).breakdown()

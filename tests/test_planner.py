@@ -7,9 +7,9 @@ from dlgs_jax import planner
 from dlgs_jax.timeline import LinearCost, MethodCosts, Profile, simulate
 
 
-def random_profile(rng, layers, workers=8):
+def random_profile(rng, layers, workers=8, overlap=True):
   sizes = rng.integers(10, 2_000_000, layers)
-  return Profile(
+  return Profile(overlap=overlap,
       model="random", paths=[f"layer{i}" for i in range(layers)], sizes=sizes,
       t_forward=float(rng.uniform(0.001, 0.02)),
       t_backward=rng.uniform(0.0, 0.01, layers) * (rng.random(layers) > 0.2),
@@ -23,7 +23,7 @@ def random_profile(rng, layers, workers=8):
 @pytest.mark.parametrize("seed", range(12))
 def test_optimal_equals_brute_force_and_beats_the_others(seed):
   rng = np.random.default_rng(seed)
-  profile = random_profile(rng, int(rng.integers(1, 13)))
+  profile = random_profile(rng, int(rng.integers(1, 13)), overlap=seed % 3 != 0)
   method = ["dlgs", "dense", "lags", "gtopk"][seed % 4]
   costs = MethodCosts(method, float(rng.choice([0.1, 0.01, 0.001])))
   best = simulate(profile, planner.brute_force(profile, costs), costs).t_iter

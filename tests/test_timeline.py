@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -96,3 +97,23 @@ def test_bad_groups_raise():
     simulate(make_profile(), [[0, 2], [1]], MethodCosts("dlgs", 0.1))
   with pytest.raises(ValueError, match="contiguous"):
     simulate(make_profile(), [[0, 1]], MethodCosts("dlgs", 0.1))
+
+
+def test_without_overlap_the_iteration_is_the_sum_of_everything():
+  profile = Profile(model="m", paths=["a", "b", "c"], sizes=[1000, 10, 5000], t_forward=0.01,
+                    t_backward=[0.02, 0.001, 0.03], workers=4,
+                    sparsify={"dlgs": LinearCost(1e-3, 1e-8)},
+                    comm={"allgather": LinearCost(2e-3, 1e-7), "allreduce": LinearCost(3e-3, 0.0)},
+                    overlap=False)
+  costs = MethodCosts("dlgs", 0.1)
+  groups = [[0], [1, 2]]
+  tl = simulate(profile, groups, costs)
+  total = (0.01 + 0.051 + sum(costs.sparsify_time(profile, s) for s in (1000, 5010))
+           + sum(costs.comm_time(profile, s) for s in (1000, 5010)))
+  assert tl.t_iter == pytest.approx(total)
+  overlapped = simulate(dataclasses.replace(profile, overlap=True), groups, costs)
+  assert overlapped.t_iter < tl.t_iter
+  # two fixed small all-reduces per iteration cost their latency
+  fixed = simulate(profile, groups, MethodCosts("dlgs", 0.1, fixed_collectives=2))
+  assert fixed.t_iter == pytest.approx(total + 2 * 3e-3)
+  assert Profile.from_dict(profile.to_dict()).overlap is False
