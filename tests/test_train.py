@@ -161,7 +161,7 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--method", "sgd"], "--method 'sgd' is invalid"),
     (["--epochs", "0"], "--epochs 0 is invalid"),
     (["--planner", "magic"], "--planner 'magic' is invalid"),
-    (["--method", "topk", "--planner", "optimal"], "planning applies to dense, lags, dlgs"),
+    (["--method", "topk", "--planner", "optimal"], "planning applies to dense, lags and dlgs, not topk"),
     (["--lr", "-1"], "--lr -1.0 is invalid"),
     (["--lr-decay-epochs", "a,b"], "--lr-decay-epochs 'a,b' is invalid"),
 ])
