@@ -102,13 +102,7 @@ def main(argv=None) -> int:
   y = jnp.asarray(labels[0])
 
   def loss_fn(p, x, y):
-    variables = {"params": p}
-    if batch_stats:
-      variables["batch_stats"] = batch_stats
-      logits = model.apply(variables, data.normalize(x), train=True,
-                           mutable=["batch_stats"])[0]
-    else:
-      logits = model.apply(variables, data.normalize(x), train=True)
+    logits, _ = training.apply_for_training(model, p, batch_stats, data.normalize(x))
     return training.cross_entropy(logits, y)
 
   grad_fn = jax.jit(jax.grad(loss_fn))

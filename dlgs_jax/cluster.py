@@ -203,9 +203,6 @@ class EmulatedCluster:
   def coordinator(self, port: Optional[int] = None) -> str:
     return f"{self.addresses[0]}:{port or random.randrange(20000, 60000)}"
 
-  def exec(self, rank: int, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([*self.wrap(rank), *argv], **kwargs)
-
   def train(self, train_args: Sequence[str], *, out=None, grace: float = 10.0) -> int:
     """Runs `dlgs-train` with one process per worker namespace (CPU, gloo)."""
     from dlgs_jax import launch

@@ -82,27 +82,28 @@ def _stream(rank: int, pipe, lock: threading.Lock, out) -> None:
   pipe.close()
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
-  """SIGTERM every live process group, then SIGKILL what is left after `grace` s."""
+def _signal_live(procs: Sequence[subprocess.Popen], signum: int) -> None:
+  """Sends `signum` to the process group of every process still running."""
   for p in procs:
     if p.poll() is None:
       try:
-        os.killpg(p.pid, signal.SIGTERM)
+        os.killpg(p.pid, signum)
       except ProcessLookupError:
         pass
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
+  """SIGTERM every live process group, then SIGKILL what is left after `grace` s."""
+  _signal_live(procs, signal.SIGTERM)
   deadline = time.monotonic() + grace
   for p in procs:
     try:
       p.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
       pass
+  _signal_live(procs, signal.SIGKILL)
   for p in procs:
-    if p.poll() is None:
-      try:
-        os.killpg(p.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-      p.wait()
+    p.wait()
 
 
 def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, port: int = 0,

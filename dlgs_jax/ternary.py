@@ -113,11 +113,8 @@ def terngrad(
         else:
           gathered = lax.all_gather(packed, axis_name)
         total = jnp.sum(unpack_ternary(gathered, flat.shape[0]).astype(jnp.int32), axis=0)
-        scale = jnp.concatenate([jnp.full((layout.sizes[leaf],), scalers[leaf])
-                                 for leaf in leaves])
-        mean = total.astype(jnp.float32) * scale / workers
-        for leaf, value in engine.split_flat(layout, group, mean).items():
-          means[leaf] = value
+        for leaf, value in engine.split_flat(layout, group, total).items():
+          means[leaf] = value.astype(jnp.float32) * scalers[leaf] / workers
         sent_bytes += wire.packed_allgather_bytes(packed.shape[0], workers)
         selected.append(jnp.asarray(flat.shape[0], jnp.int32))
         passed.append(jnp.sum(flat != 0, dtype=jnp.int32))

@@ -219,13 +219,10 @@ def load_data(args, model_name: str, model_shape):
 
 def backward_order_of(model, params, batch_stats, sample_shape):
   import jax.numpy as jnp
-  from dlgs_jax import grouping
+  from dlgs_jax import grouping, training
 
   def loss_fn(p, x):
-    variables = {"params": p, **({"batch_stats": batch_stats} if batch_stats else {})}
-    out = model.apply(variables, x, train=True, mutable=["batch_stats"] if batch_stats else False)
-    logits = out[0] if batch_stats else out
-    return jnp.sum(logits)
+    return jnp.sum(training.apply_for_training(model, p, batch_stats, x)[0])
 
   return grouping.backward_order(loss_fn, params, jnp.zeros(sample_shape, jnp.float32))
 

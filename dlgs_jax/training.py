@@ -42,6 +42,17 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample:
   )
 
 
+def apply_for_training(model: nn.Module, params, batch_stats, inputs):
+  """Forward pass in training mode: ``(logits, updates)``.
+
+  `updates` holds the new BatchNorm statistics (``{}`` for models without).
+  """
+  if batch_stats:
+    return model.apply({"params": params, "batch_stats": batch_stats}, inputs, train=True,
+                       mutable=["batch_stats"])
+  return model.apply({"params": params}, inputs, train=True), {}
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
@@ -80,12 +91,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     inputs = data.normalize(images, mean, std)
 
     def loss_fn(params):
-      variables = {"params": params}
-      if state.batch_stats:
-        variables["batch_stats"] = state.batch_stats
-        logits, updates = model.apply(variables, inputs, train=True, mutable=["batch_stats"])
-      else:
-        logits, updates = model.apply(variables, inputs, train=True), {}
+      logits, updates = apply_for_training(model, params, state.batch_stats, inputs)
       return cross_entropy(logits, labels), (logits, updates)
 
     (loss, (logits, model_updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(

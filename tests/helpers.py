@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+from pathlib import Path
+
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -59,3 +64,41 @@ def flat_workers(tree):
   leaves = jax.tree_util.tree_leaves(tree)
   w = leaves[0].shape[0]
   return np.concatenate([np.asarray(x).reshape(w, -1) for x in leaves], axis=1)
+
+
+# ------------------------------------------------------- child processes ---
+
+ROOT = Path(__file__).resolve().parents[1]
+_SHA_LINE = re.compile(r"process (\d+): params_sha256 ([0-9a-f]+)")
+
+
+def child_env(**extra) -> dict:
+  """Environment for a child JAX process: CPU, its own device count, this checkout importable."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # each process sets its own device count
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  env.update(extra)
+  return env
+
+
+def run_group(commands_envs, timeout=400) -> list[str]:
+  """Runs (command, env) pairs at once; returns their outputs, failing on any error."""
+  procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for cmd, env in commands_envs]
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=timeout)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-4000:]
+  return outputs
+
+
+def params_shas(output: str) -> dict[int, str]:
+  """Process index -> params SHA-256 from the lines dlgs-train prints at the end."""
+  return {int(m.group(1)): m.group(2) for m in _SHA_LINE.finditer(output)}

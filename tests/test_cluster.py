@@ -6,12 +6,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from dlgs_jax import cluster
+from tests.helpers import child_env, params_shas
 
 pytestmark = pytest.mark.multiprocess
 REASON = cluster.unavailable_reason(install=True) if sys.platform == "linux" else "not Linux"
@@ -22,14 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def namespaces():
   out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
   return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def env():
-  e = dict(os.environ)
-  e.pop("XLA_FLAGS", None)
-  e["JAX_PLATFORMS"] = "cpu"
-  e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-  return e
 
 
 @needs_netns
@@ -128,11 +120,10 @@ def test_two_workers_train_over_the_shaped_network(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "dlgs_jax.cluster", "--workers", "2", "--bandwidth", "1gbit", "--",
        "--model", "smallcnn", "--batch-size", "8", "--steps", "4", "--density", "0.05",
-       "--workdir", str(tmp_path)], env=env(), capture_output=True, text=True, timeout=600)
+       "--workdir", str(tmp_path)], env=child_env(), capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-  prints = {line.split("params_sha256 ")[1].split()[0]
-            for line in result.stdout.splitlines() if "] process " in line}
-  assert len(prints) == 1
+  prints = params_shas(result.stdout)
+  assert sorted(prints) == [0, 1] and len(set(prints.values())) == 1
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["processes"] == 2 and summary["steps"] == 4
   assert "cluster" in result.stdout and "10." in result.stdout

@@ -6,7 +6,6 @@ with gloo CPU collectives.
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import numpy as np
 import pytest
 
 from dlgs_jax import launch
+from dlgs_jax.launch import free_port
+from tests.helpers import child_env, params_shas, run_group
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,26 +26,8 @@ TRAIN = ["--model", "smallcnn", "--batch-size", "16", "--density", "0.1", "--lr"
          "--check-every", "4"]
 
 
-def env_for_children():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def shas(output, processes):
-  found = {}
-  for line in output.splitlines():
-    if "params_sha256" in line and "process " in line and "summary" not in line:
-      rank = int(line.split("process ")[1].split(":")[0])
-      found[rank] = line.split("params_sha256 ")[1].split()[0]
+  found = params_shas(output)
   assert sorted(found) == list(range(processes)), output[-4000:]
   return found
 
@@ -59,7 +42,7 @@ def test_launch_trains_with_identical_parameters_and_falling_loss(tmp_path, npro
   result = subprocess.run(
       [sys.executable, "-m", "dlgs_jax.launch", "--nproc", str(nproc), "--", *TRAIN,
        "--steps", "16", "--workdir", str(tmp_path)],
-      env=env_for_children(), capture_output=True, text=True, timeout=600)
+      env=child_env(), capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-4000:]
   prints = shas(result.stdout, nproc)
   assert len(set(prints.values())) == 1  # every process holds the same parameters
@@ -81,7 +64,7 @@ def test_two_processes_stop_and_resume_bit_identical(tmp_path, method):
   def launch_run(*extra):
     result = subprocess.run(
         [sys.executable, "-m", "dlgs_jax.launch", "--nproc", "2", "--", *args, *extra],
-        env=env_for_children(), capture_output=True, text=True, timeout=600)
+        env=child_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout
 
@@ -106,7 +89,7 @@ def test_a_failing_process_stops_the_others(tmp_path):
       "    time.sleep(1.0)\n"
       "    sys.exit(3)\n"
       "time.sleep(300)\n")
-  env = env_for_children()
+  env = child_env()
   env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
   start = time.monotonic()
   result = subprocess.run(
@@ -136,7 +119,7 @@ def test_launcher_rejects_bad_arguments():
 
 def test_node_script_checks_its_variables(tmp_path):
   script = ROOT / "scripts" / "cluster" / "run_node.sh"
-  env = env_for_children()
+  env = child_env()
   for name in ("DLGS_COORDINATOR_ADDRESS", "DLGS_NUM_NODES", "DLGS_NODE_RANK"):
     env.pop(name, None)
   missing = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
@@ -154,40 +137,23 @@ def test_node_script_checks_its_variables(tmp_path):
     assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
 
-def run_group(commands_envs, timeout=400):
-  procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for cmd, env in commands_envs]
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out[-4000:]
-  return outputs
-
-
 def test_node_script_runs_two_nodes_on_localhost(tmp_path):
   script = ROOT / "scripts" / "cluster" / "run_node.sh"
   coordinator = f"127.0.0.1:{free_port()}"
-  base = env_for_children()
+  base = child_env()
   base["DLGS_PYTHON"] = sys.executable
   outputs = run_group([
       (["bash", str(script), *TRAIN, "--steps", "3", "--workdir", str(tmp_path)],
        {**base, "DLGS_COORDINATOR_ADDRESS": coordinator, "DLGS_NUM_NODES": "2",
         "DLGS_NODE_RANK": str(rank)}) for rank in range(2)])
-  values = {line.split("params_sha256 ")[1].split()[0]
-            for out in outputs for line in out.splitlines() if line.startswith("process ")}
+  values = {sha for out in outputs for sha in params_shas(out).values()}
   assert len(values) == 1
   assert "2 workers (2 processes)" in outputs[0]
 
 
 def test_slurm_variables_start_jax_distributed(tmp_path):
   """What `srun` sets for each task is enough: JAX reads it, dlgs_jax enables gloo."""
-  base = env_for_children()
+  base = child_env()
   base.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
               JAX_COORDINATOR_PORT=str(free_port()))
   for name in ("DLGS_COORDINATOR_ADDRESS", "DLGS_NUM_PROCESSES", "DLGS_PROCESS_ID"):
@@ -196,15 +162,14 @@ def test_slurm_variables_start_jax_distributed(tmp_path):
       ([sys.executable, "-m", "dlgs_jax.train", *TRAIN, "--steps", "3", "--workdir",
         str(tmp_path)], {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
       for rank in range(2)])
-  values = {line.split("params_sha256 ")[1].split()[0]
-            for out in outputs for line in out.splitlines() if line.startswith("process ")}
+  values = {sha for out in outputs for sha in params_shas(out).values()}
   assert len(values) == 1
   assert "2 workers (2 processes)" in outputs[0]
 
 
 def test_sbatch_script_refuses_outside_slurm_and_runs_srun(tmp_path):
   script = ROOT / "scripts" / "cluster" / "train.sbatch"
-  env = env_for_children()
+  env = child_env()
   env.pop("SLURM_JOB_ID", None)
   outside = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
   assert outside.returncode == 2 and "submit with sbatch" in outside.stderr

@@ -1,8 +1,5 @@
 """Real processes, jax.distributed and gloo collectives on localhost."""
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,38 +7,18 @@ import numpy as np
 import pytest
 
 from dlgs_jax import planner
+from dlgs_jax.launch import free_port
+from tests.helpers import child_env, run_group
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).with_name("mp_transform_worker.py")
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def start_processes(script, num_processes, args_for, timeout=240):
   """Runs `num_processes` copies of `script`; returns their outputs (fails on any error)."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # each process sets its own device count
-  env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-  procs = [subprocess.Popen([sys.executable, str(script), *args_for(i)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(num_processes)]
-  outputs = []
-  try:
-    for p in procs:
-      out, _ = p.communicate(timeout=timeout)
-      outputs.append(out)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out[-3000:]
-  return outputs
+  return run_group([([sys.executable, str(script), *args_for(i)], child_env())
+                    for i in range(num_processes)], timeout=timeout)
 
 
 def test_two_processes_gloo_transforms(tmp_path):

@@ -1,7 +1,6 @@
 """The training CLI, run as users run it: separate processes on CPU devices."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,21 +13,13 @@ import pytest
 
 from dlgs_jax import grouping, models, planner, train
 from dlgs_jax.timeline import LinearCost, Profile
+from tests.helpers import child_env, params_shas
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
 
 
-def cli_env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the CLI sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
-
 def run_cli(args, timeout=400):
-  return subprocess.run([sys.executable, "-m", "dlgs_jax.train", *args], env=cli_env(),
+  return subprocess.run([sys.executable, "-m", "dlgs_jax.train", *args], env=child_env(),
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -37,9 +28,9 @@ def records(workdir):
 
 
 def sha_of(output):
-  lines = [l for l in output.splitlines() if "params_sha256" in l and l.startswith("process")]
-  assert lines, output[-3000:]
-  return lines[-1].split("params_sha256 ")[1].split()[0]
+  shas = params_shas(output)
+  assert list(shas) == [0], output[-3000:]
+  return shas[0]
 
 
 @pytest.mark.parametrize("method", ["dlgs", "lags", "topk", "gtopk", "dense", "dgc", "terngrad"])
@@ -75,7 +66,7 @@ def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
 
   workdir = tmp_path / "killed"
   proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.train", *args, "--workdir",
-                           str(workdir)], env=cli_env(), stdout=subprocess.DEVNULL,
+                           str(workdir)], env=child_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   metrics = workdir / "metrics.jsonl"
   deadline = time.monotonic() + 300

@@ -94,7 +94,6 @@ def simulate_reduce_scatter(nodes: int, T: float, T_trans: float, delta: float =
   received = {}          # (node, chunk) -> set of contributions received
   skipped = set()        # (node, chunk) skipped by the strategy
   next_op = [0] * p
-  busy_until = [0.0] * p
   busy = [False] * p
   op_start: dict[tuple[int, int], float] = {}
   chunk_done = [math.nan] * p
@@ -132,7 +131,6 @@ def simulate_reduce_scatter(nodes: int, T: float, T_trans: float, delta: float =
         busy[node] = True
         op_start[(node, op)] = now
         end = now + op_time(node, op)
-        busy_until[node] = end
         ops.append((node, chunk, now, end))
         push(end, "finish", node, op)
         return
