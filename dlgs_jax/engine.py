@@ -103,6 +103,9 @@ class Selection:
   kind: str
   density: float
   capacity_factor: float = 1.0
+  # "threshold" only: recompute a reused H_l early when fewer than
+  # refresh_below * k_l values or more than the buffer holds would pass it.
+  refresh_below: Optional[float] = None
 
   def leaf_k(self, size: int) -> int:
     return selection.num_to_keep(self.density, size)
@@ -150,15 +153,28 @@ def step_thresholds(
 ) -> list[jax.Array]:
   """H_l per leaf: the exact k_l-th largest |g_l| when `recompute`, else `previous`.
 
+  With ``select.refresh_below`` set, a leaf whose reused threshold would pass
+  fewer than ``refresh_below * k_l`` values, or more than its buffer holds,
+  gets its exact threshold this step too (one counting pass over the leaf
+  decides). A stale threshold otherwise sends far fewer values than the
+  density asks for (measured: 38% of k on average over ResNet-20's first
+  epochs at ``reuse_every=10``), or fills the buffer in flat index order.
+
   One `lax.cond` per leaf rather than one around all leaves: on CPU a single
   conditional over every gradient copies its operands, which costs more than
   the reuse step it guards.
   """
-  return [
-      lax.cond(recompute,
-               lambda g=g, size=size: selection.kth_largest_abs(g, select.leaf_k(size)),
-               lambda h=h: h)
-      for g, h, size in zip(accumulated, previous, layout.sizes)]
+  thresholds = []
+  for g, h, size in zip(accumulated, previous, layout.sizes):
+    k = select.leaf_k(size)
+    redo = recompute
+    if select.refresh_below is not None:
+      passing = selection.count_at_least_abs(g, h)
+      redo = (redo | (passing < math.ceil(select.refresh_below * k))
+              | (passing > select.leaf_capacity(size)))
+    thresholds.append(lax.cond(
+        redo, lambda g=g, k=k: selection.kth_largest_abs(g, k), lambda h=h: h))
+  return thresholds
 
 
 def sparse_exchange(

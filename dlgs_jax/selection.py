@@ -158,3 +158,18 @@ def threshold_indices(
 def count_valid(indices: jax.Array, size: int) -> jax.Array:
   """Number of non-sentinel entries of an index buffer (int32 scalar)."""
   return jnp.sum(indices < size, dtype=jnp.int32)
+
+
+def count_at_least_abs(x: jax.Array, threshold: jax.Array) -> jax.Array:
+  """How many nonzero values have ``|x| >= threshold`` (what `threshold_indices` passes).
+
+  Args:
+    x: any-shaped array.
+    threshold: scalar.
+
+  Returns:
+    int32 scalar.
+  """
+  magnitude = jnp.abs(x.reshape(-1))
+  mask = (magnitude >= threshold.astype(magnitude.dtype)) & (magnitude > 0)
+  return jnp.sum(mask, dtype=jnp.int32)

@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--method", default="dlgs", help=f"one of {METHODS}")
   add("--density", type=float, default=0.01, help="fraction of values sent (sparse methods)")
   add("--reuse-every", type=int, default=10, help="DLGS: exact threshold every this many steps")
+  add("--refresh-below", default="0.5",
+      help="DLGS: recompute a reused threshold early when it passes fewer than this fraction "
+           "of k (or overflows the buffer); 'none': the paper's fixed schedule")
   add("--collective", default="allgather", help="lags/dlgs collective: allgather or gtopk")
   add("--dgc-warmup-epochs", type=float, default=4.0,
       help="DGC: epochs of exponential density warm-up from 0.25 (capped at a quarter of the run)")
@@ -133,6 +136,13 @@ def check_args(args: argparse.Namespace) -> None:
     bad("--dgc-warmup-epochs", args.dgc_warmup_epochs, "must be >= 0")
   if args.terngrad_clip < 0:
     bad("--terngrad-clip", args.terngrad_clip, "must be >= 0")
+  if args.refresh_below != "none":
+    try:
+      refresh = float(args.refresh_below)
+    except ValueError:
+      refresh = -1.0
+    if not 0.0 <= refresh <= 1.0:
+      bad("--refresh-below", args.refresh_below, "must be a number in [0, 1] or 'none'")
   if args.method in ("topk", "gtopk", "dgc", "terngrad") and (args.planner != "none" or args.plan):
     bad("--planner/--plan", args.plan or args.planner,
         f"planning applies to dense, lags and dlgs, not {args.method}")
@@ -181,8 +191,10 @@ def build_optimizer(args, axis: str, schedule, groups, order, *, warmup_steps: i
     compressor = dlgs_jax.lags(args.density, axis_name=axis, groups=groups, order=order,
                                collective=args.collective)
   else:
+    refresh = None if args.refresh_below == "none" else float(args.refresh_below)
     compressor = dlgs_jax.dlgs(args.density, axis_name=axis, reuse_every=args.reuse_every,
-                               groups=groups, order=order, collective=args.collective)
+                               groups=groups, order=order, collective=args.collective,
+                               refresh_below=refresh)
   return optax.chain(
       compressor,
       optax.add_decayed_weights(args.weight_decay),

@@ -89,3 +89,15 @@ def test_threshold_indices_word_packing_edges(size):
     want, want_passed = reference_threshold(x, threshold, capacity)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert int(passed) == want_passed
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.7, 100.0])
+def test_count_at_least_abs_matches_numpy_and_threshold_indices(threshold):
+  x = np.random.default_rng(9).standard_normal((7, 13)).astype(np.float32)
+  x[0, :5] = 0.0
+  count = jax.jit(selection.count_at_least_abs)(jnp.asarray(x), jnp.float32(threshold))
+  expected = int(np.sum((np.abs(x) >= threshold) & (x != 0)))
+  assert int(count) == expected
+  _, passed = jax.jit(selection.threshold_indices, static_argnums=2)(
+      jnp.asarray(x), jnp.float32(threshold), x.size)
+  assert int(passed) == expected

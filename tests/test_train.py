@@ -154,6 +154,8 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--planner", "magic"], "--planner 'magic' is invalid"),
     (["--method", "topk", "--planner", "optimal"], "planning applies to dense, lags and dlgs, not topk"),
     (["--lr", "-1"], "--lr -1.0 is invalid"),
+    (["--refresh-below", "1.5"], "--refresh-below '1.5' is invalid"),
+    (["--refresh-below", "half"], "--refresh-below 'half' is invalid"),
     (["--lr-decay-epochs", "a,b"], "--lr-decay-epochs 'a,b' is invalid"),
 ])
 def test_bad_flags_are_named(flags, message):

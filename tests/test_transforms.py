@@ -115,7 +115,7 @@ def test_one_collective_per_group(groups, expected):
 
 def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
   reuse = 3
-  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=reuse)
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=reuse, refresh_below=None)
   rng = np.random.default_rng(3)
   steps = [random_grads(PARAMS, W, rng) for _ in range(7)]
   _, _, states = run_steps(tx, PARAMS, steps, W)
@@ -142,7 +142,7 @@ def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
 
 
 def test_dlgs_reused_threshold_respects_capacity_and_counts_overflow():
-  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=100)
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=100, refresh_below=None)
   rng = np.random.default_rng(4)
   first = random_grads(PARAMS, W, rng)
   # Larger later gradients pass the stale threshold far more often than k.
@@ -153,6 +153,44 @@ def test_dlgs_reused_threshold_respects_capacity_and_counts_overflow():
   assert states[0].stats.selected[0].sum() == capacity
   assert state.stats.selected[0].sum() == capacity
   assert state.stats.passed[0].sum() > capacity
+
+
+def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band():
+  # Gradient scales jump around so reused thresholds pass too few values
+  # (x0.01), too many (x30), or about k (x1): each leaf on each worker must
+  # reuse H_l exactly when the count under the old H_l is within
+  # [ceil(0.5 k), capacity], and take the exact k-th largest |g| otherwise.
+  density, reuse = 0.1, 100
+  tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=reuse, refresh_below=0.5)
+  rng = np.random.default_rng(8)
+  scales = [1.0, 1.0, 0.01, 1.0, 30.0, 1.0, 1.0]
+  steps = [random_grads(PARAMS, W, rng, scale=s) for s in scales]
+  _, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = [np.zeros_like(x) for x in jax.tree_util.tree_leaves(steps[0])]
+  previous = None
+  outcomes = set()
+  for step, (grads, state) in enumerate(zip(steps, states)):
+    accumulated = [r + g for r, g in zip(residual, jax.tree_util.tree_leaves(grads))]
+    thresholds = jax.tree_util.tree_leaves(state.thresholds)
+    for leaf, (acc, thr) in enumerate(zip(accumulated, thresholds)):
+      for w in range(W):
+        values = np.abs(acc[w]).ravel()
+        k = max(1, int(np.ceil(density * values.size)))
+        exact = np.sort(values)[::-1][k - 1]
+        if step == 0:
+          assert thr[w] == exact
+          continue
+        old = previous[leaf][w]
+        count = int(np.sum((values >= old) & (values > 0)))
+        if int(np.ceil(0.5 * k)) <= count <= k:
+          assert thr[w] == old, (step, leaf, w, count, k)
+          outcomes.add("reused")
+        else:
+          assert thr[w] == exact, (step, leaf, w, count, k)
+          outcomes.add("too few" if count < k else "too many")
+    previous = thresholds
+    residual = jax.tree_util.tree_leaves(state.residuals)
+  assert outcomes == {"reused", "too few", "too many"}
 
 
 @pytest.mark.parametrize("name", ["topk", "gtopk"])
@@ -310,6 +348,9 @@ def test_composes_with_optax_and_trains(make):
     ({"density": 0.1, "reuse_every": 2.5}, "reuse_every"),
     ({"density": 0.1, "collective": "ring"}, "ring"),
     ({"density": 0.1, "capacity_factor": 0.5}, "capacity_factor"),
+    ({"density": 0.1, "refresh_below": 1.5}, "refresh_below"),
+    ({"density": 0.1, "refresh_below": -0.1}, "refresh_below"),
+    ({"density": 0.1, "refresh_below": True}, "refresh_below"),
     ({"density": 0.1, "groups": "dense/bias"}, "dense/bias"),
 ])
 def test_bad_arguments_raise(kwargs, match):
