@@ -2,17 +2,23 @@
 
 Builds an emulated cluster (`dlgs_jax.cluster`: one network namespace per
 worker, tbf-shaped links, each worker pinned to its share of the cores), then
-per model: measures a planner profile on that cluster, plans dense fusion and
-DLGS merging with the `optimal` planner, and for each method runs
+per model and density: measures a planner profile on that cluster (selection
+costs depend on k), plans dense fusion and DLGS merging with the `optimal`
+planner, and for each method runs
 `dlgs_jax.benchmark` on all workers: median iteration time over --steps
 repetitions after --warmup, its measured breakdown, bytes on the wire, speedup
 over dense, and the timeline model's prediction next to the measurement.
 
     python experiments/bench_cluster.py                      # ResNet-20 + VGG16, P=4, 1 Gbit/s
     python experiments/bench_cluster.py --quick              # one model, fewer steps
-    python experiments/bench_cluster.py --models resnet50 --image-size 64 --batch-size 4
+    python experiments/bench_cluster.py --models resnet50 --image-size 32 --densities 0.01
+    python experiments/bench_cluster.py --predict-only --densities 0.1,0.01   # new profiles only
 
-Writes results.json, results.md and breakdown_<model>.png under --out-dir. Needs root.
+Writes results.json, results.md and breakdown_<model>.png under --out-dir. Runs
+of other models or densities already in --out-dir's results.json are kept (a
+configuration measured again replaces its old entry), so the suite can be run a
+model at a time; every entry records the command that measured it. Dense and
+TernGrad do not depend on the density and run once per invocation. Needs root.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs")
 GROUPING = {"dense": "optimal", "dlgs": "optimal", "lags": "wfbp", "topk": "single",
             "gtopk": "single"}
+DENSITY_FREE = ("dense", "terngrad")
 
 
 def parse_args(argv=None):
@@ -40,6 +47,11 @@ def parse_args(argv=None):
   parser.add_argument("--image-size", type=int)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--predict-only", action="store_true",
+                      help="measure the profiles again and redo the predictions for the "
+                      "configurations already measured in --out-dir (no timing runs)")
+  parser.add_argument("--keep-profiles", action="store_true",
+                      help="use the profiles already in --out-dir instead of measuring them")
   parser.add_argument("--quick", action="store_true",
                       help="ResNet-20 only, dense/topk/dlgs, 8 steps: a quick look")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "cluster"))
@@ -66,6 +78,8 @@ def main(argv=None) -> int:
       ["--image-size", str(args.image_size)] if args.image_size else [])
   results = []
   started = time.time()
+  command = "python experiments/bench_cluster.py " + " ".join(sys.argv[1:] if argv is None
+                                                              else argv)
   for model in models:
     with cluster.EmulatedCluster(args.workers, args.bandwidth) as c:
       from dlgs_jax import launch
@@ -77,61 +91,114 @@ def main(argv=None) -> int:
         if status != 0:
           raise SystemExit(f"benchmark failed with status {status}: {extra}")
 
-      profile_path = out / f"profile_{model}.json"
-      print(f"== {model}: profiling on the cluster", flush=True)
-      bench(["--profile-out", str(profile_path), "--density", str(densities[0])])
-      profile = Profile.load(profile_path)
       for density in densities:
+        # Selection costs depend on k: each density gets its own profile.
+        profile_path = out / f"profile_{model}_{density:g}.json"
+        if args.keep_profiles and profile_path.exists():
+          print(f"== {model}: using {profile_path}", flush=True)
+        else:
+          print(f"== {model}: profiling on the cluster at density {density:g}", flush=True)
+          bench(["--profile-out", str(profile_path), "--density", str(density)])
+        profile = Profile.load(profile_path)
         for method in methods:
+          if method in DENSITY_FREE and density != densities[0]:
+            continue
+          result_path = out / f"run_{model}_{method}_{density:g}.json"
+          plan_path = out / f"plan_{model}_{method}_{density:g}.json"
           plan_args, predicted = [], None
           if method in PREDICTABLE:
             costs = MethodCosts(method, 1.0 if method == "dense" else density,
                                 fixed_collectives=2)
             grouping = GROUPING[method]
-            groups = planner.PLANNER_FUNCTIONS[grouping](profile, costs)
+            if method in ("dense", "dlgs") and args.predict_only:
+              # Predict the grouping that was measured, not a new plan.
+              index = {path: i for i, path in enumerate(profile.paths)}
+              groups = [[index[q] for q in g] for g in planner.Plan.load(plan_path).groups]
+            else:
+              groups = planner.PLANNER_FUNCTIONS[grouping](profile, costs)
             predicted = simulate(profile, groups, costs).breakdown()
             if method in ("dense", "dlgs"):
-              plan = planner.make_plan(profile, method, costs.density, grouping)
-              plan_path = out / f"plan_{model}_{method}_{density:g}.json"
-              plan.save(plan_path)
+              if not args.predict_only:
+                planner.make_plan(profile, method, costs.density, grouping).save(plan_path)
               plan_args = ["--plan", str(plan_path)]
-          result_path = out / f"run_{model}_{method}_{density:g}.json"
-          print(f"== {model} {method} density {density:g}", flush=True)
-          bench(["--method", method, "--density", str(density), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--out", str(result_path), *plan_args])
-          result = json.loads(result_path.read_text())
-          result["predicted"] = predicted
+          if args.predict_only:
+            if not result_path.exists():
+              raise SystemExit(f"--predict-only: no measurement {result_path}")
+            result = json.loads(result_path.read_text())
+            result.setdefault("command", command)
+          else:
+            print(f"== {model} {method} density {density:g}", flush=True)
+            bench(["--method", method, "--density", str(density), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--out", str(result_path), *plan_args])
+            result = json.loads(result_path.read_text())
+            result.update(command=command, bandwidth=args.bandwidth, steps=args.steps,
+                          warmup=args.warmup)
+          result.update(predicted=predicted, profile=profile_path.name)
+          # The run file keeps everything, so --predict-only can rebuild the entry.
+          result_path.write_text(json.dumps(result, indent=1))
           results.append(result)
+  results = merge(out / "results.json", results, args)
   for r in results:
     dense = next((x for x in results if x["model"] == r["model"] and x["method"] == "dense"),
                  None)
     r["speedup_vs_dense"] = (dense["median"]["step"] / r["median"]["step"]) if dense else None
-  meta = {"command": "python experiments/bench_cluster.py " + " ".join(sys.argv[1:]),
-          "workers": args.workers, "bandwidth": args.bandwidth, "batch_size": args.batch_size,
-          "seconds": time.time() - started}
+  meta = {"workers": args.workers, "bandwidth": args.bandwidth,
+          "last_command": command, "last_seconds": time.time() - started}
   (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
   table = markdown(results)
   (out / "results.md").write_text(table + "\n")
   print(table)
-  for model in models:
+  for model in sorted({r["model"] for r in results}):
     plot(model, [r for r in results if r["model"] == model], out / f"breakdown_{model}.png", meta)
   return 0
 
 
+def _key(result):
+  density = None if result["method"] in DENSITY_FREE else result["density"]
+  return result["model"], result["method"], density
+
+
+def merge(path: Path, new, args):
+  """New results plus the old ones in `path` that they do not replace.
+
+  Refuses to mix clusters: old results from another P or bandwidth would make
+  the speedups meaningless.
+  """
+  if not path.exists():
+    return new
+  old = json.loads(path.read_text())
+  meta = old.get("meta", {})
+  if (meta.get("workers"), meta.get("bandwidth")) != (args.workers, args.bandwidth):
+    raise SystemExit(f"{path} holds results for P={meta.get('workers')} at "
+                     f"{meta.get('bandwidth')}, not P={args.workers} at {args.bandwidth}: "
+                     "use another --out-dir")
+  replaced = {_key(r) for r in new}
+  kept = [r for r in old["results"] if _key(r) not in replaced]
+  order = {m: i for i, m in enumerate(PREDICTABLE + ("dgc", "terngrad"))}
+  # dense first, then each density (largest first), TernGrad last.
+  return sorted(kept + new, key=lambda r: (
+      r["model"], {"dense": 0, "terngrad": 2}.get(r["method"], 1), -r["density"],
+      order.get(r["method"], 99)))
+
+
 def markdown(results) -> str:
-  lines = ["| model | method | density | groups | step ms | compute | sparsify | comm exposed "
-           "| comm alone | MB sent/worker | speedup vs dense | predicted ms | pred. error |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| model | input | method | density | groups | steps | step ms | compute | sparsify "
+           "| comm exposed | comm alone | MB sent/worker | speedup vs dense | predicted ms "
+           "| pred. error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     b, pred = r["breakdown"], r["predicted"]
     error = (f"{(pred['t_iter'] / r['median']['step'] - 1) * 100:+.0f}%" if pred else "")
+    density = "-" if r["method"] in DENSITY_FREE else f"{r['density']:g}"
+    speedup = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else ""
+    shape = "x".join(str(n) for n in r["image_shape"][:2])
     lines.append(
-        f"| {r['model']} | {r['method']} | {r['density']:g} | {r['plan_groups'] or ''} | "
+        f"| {r['model']} | {shape}, b{r['batch_size']} | {r['method']} | {density} | "
+        f"{r['plan_groups'] or ''} | {r['steps']} | "
         f"{r['median']['step'] * 1e3:.1f} | {b['compute'] * 1e3:.1f} | {b['sparsify'] * 1e3:.1f} | "
         f"{b['comm_exposed'] * 1e3:.1f} | {b['comm_alone'] * 1e3:.1f} | "
-        f"{r['bytes_sent'] / 1e6:.2f} | "
-        f"{r['speedup_vs_dense']:.2f}x | " + (f"{pred['t_iter'] * 1e3:.1f} | {error} |"
-                                            if pred else " | |"))
+        f"{r['bytes_sent'] / 1e6:.2f} | {speedup} | "
+        + (f"{pred['t_iter'] * 1e3:.1f} | {error} |" if pred else " | |"))
   return "\n".join(lines)
 
 
@@ -141,7 +208,7 @@ def plot(model, results, path, meta):
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(1.2 * len(results) + 2, 4))
-  names = [f"{r['method']}\n{r['density']:g}" if r["method"] != "dense" else "dense"
+  names = [r["method"] if r["method"] in DENSITY_FREE else f"{r['method']}\n{r['density']:g}"
            for r in results]
   bottom = [0.0] * len(results)
   for key, color in (("compute", "tab:blue"), ("sparsify", "tab:orange"),
@@ -154,8 +221,10 @@ def plot(model, results, path, meta):
       ax.plot([i - 0.4, i + 0.4], [r["predicted"]["t_iter"] * 1e3] * 2, color="black",
               linewidth=1.5, label="predicted" if i == 0 else None)
   ax.set_ylabel("ms per iteration")
-  ax.set_title(f"{model}: P={meta['workers']} at {meta['bandwidth']}, batch {meta['batch_size']}"
-               " per worker (measured; black: timeline model)", fontsize=9)
+  shape = "x".join(str(n) for n in results[0]["image_shape"][:2])
+  ax.set_title(f"{model} ({shape}): P={meta['workers']} at {meta['bandwidth']}, batch "
+               f"{results[0]['batch_size']} per worker (measured; black: timeline model)",
+               fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -1,0 +1,96 @@
+"""Every experiment of the project, one after the other: reduced for a quick look, or full.
+
+    python experiments/run_suite.py            # reduced: minutes, writes under runs/suite/
+    python experiments/run_suite.py --full     # the README's commands, writes experiments/results/
+    python experiments/run_suite.py --only accuracy,cluster
+
+Each step is the experiment's own entry point run as a subprocess (its command
+is printed first, so any step can be rerun alone). The cluster benchmark needs
+root and iproute2; without them it is skipped with the reason. A failed step
+does not stop the others; the exit status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
+  """(name, argv after the interpreter) of every step."""
+  e = "experiments/"
+  if full:
+    return [
+        ("sparsify", [e + "bench_sparsify.py"]),
+        ("planner", [e + "bench_planner.py"]),
+        ("scaling", [e + "predict_scaling.py"]),
+        ("ring", ["-m", "dlgs_jax.sim.ring", "--out-dir", e + "results/ring"]),
+        ("cluster", [e + "bench_cluster.py", "--models", "resnet20,vgg16",
+                     "--densities", "0.1,0.01"]),
+        ("cluster_resnet50", [e + "bench_cluster.py", "--models", "resnet50", "--image-size",
+                              "32", "--densities", "0.01",
+                              "--methods", "dense,topk,lags,gtopk,dlgs"]),
+        ("accuracy", [e + "accuracy.py"]),
+    ]
+  return [
+      ("sparsify", [e + "bench_sparsify.py", "--models", "resnet20", "--repeats", "3",
+                    "--out", str(out / "bench_sparsify.json")]),
+      ("planner", [e + "bench_planner.py", "--layers", "59", "161", "--profiles", "2",
+                   "--out", str(out / "bench_planner.json")]),
+      ("scaling", [e + "predict_scaling.py", "--workers", "2,4,8", "--out-dir",
+                   str(out / "scaling")]),
+      ("ring", ["-m", "dlgs_jax.sim.ring", "--points", "41", "--out-dir", str(out / "ring")]),
+      ("cluster", [e + "bench_cluster.py", "--quick", "--out-dir", str(out / "cluster")]),
+      ("accuracy", [e + "accuracy.py", "--quick", "--out-dir", str(out / "accuracy"),
+                    "--runs-dir", str(out / "accuracy_runs")]),
+  ]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--full", action="store_true",
+                      help="full size (hours on a 2-core machine); default: reduced")
+  parser.add_argument("--only", help="comma-separated step names to run")
+  parser.add_argument("--out-dir", default=str(ROOT / "runs" / "suite"),
+                      help="where the reduced suite writes (the full one writes the results "
+                      "the README shows)")
+  args = parser.parse_args(argv)
+  out = Path(args.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  plan = steps(args.full, out)
+  names = [name for name, _ in plan]
+  if args.only:
+    wanted = args.only.split(",")
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+      parser.error(f"--only: unknown steps {unknown}; the steps are {names}")
+    plan = [(name, argv) for name, argv in plan if name in wanted]
+
+  from dlgs_jax import cluster
+  outcomes = []
+  for name, step_argv in plan:
+    if name.startswith("cluster"):
+      reason = cluster.unavailable_reason()
+      if reason:
+        print(f"== {name}: skipped: {reason}", flush=True)
+        outcomes.append((name, "skipped", 0.0))
+        continue
+    print(f"== {name}: python {' '.join(step_argv)}", flush=True)
+    started = time.time()
+    status = subprocess.run([sys.executable, *step_argv], cwd=ROOT).returncode
+    outcomes.append((name, "ok" if status == 0 else f"failed ({status})",
+                     time.time() - started))
+  print("\n| step | outcome | seconds |\n|---|---|---|")
+  for name, outcome, seconds in outcomes:
+    print(f"| {name} | {outcome} | {seconds:.0f} |")
+  return 1 if any(o.startswith("failed") for _, o, _ in outcomes) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

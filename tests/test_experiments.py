@@ -1,0 +1,106 @@
+"""The experiment entry points: result merging, tables, and a real (tiny) accuracy run."""
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def fake_result(model, method, density, step):
+  return {"model": model, "method": method, "density": density, "median": {"step": step},
+          "breakdown": {"compute": step / 2, "sparsify": 0.0, "comm_exposed": step / 2,
+                        "comm_alone": step / 2},
+          "predicted": {"t_iter": step * 1.1}, "plan_groups": None, "steps": 20,
+          "image_shape": [32, 32, 3], "batch_size": 8, "bytes_sent": 1e6}
+
+
+def test_bench_cluster_merge_replaces_remeasured_configurations_and_keeps_the_rest(tmp_path):
+  bench = load("bench_cluster")
+  args = argparse.Namespace(workers=4, bandwidth="1gbit")
+  old = [fake_result("vgg16", "dense", 0.01, 4.0), fake_result("vgg16", "dlgs", 0.01, 2.0),
+         fake_result("resnet20", "dense", 0.01, 0.09), fake_result("resnet20", "dlgs", 0.01, 0.08)]
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"meta": {"workers": 4, "bandwidth": "1gbit"}, "results": old}))
+  # Dense does not depend on the density: measured again at 0.1 it replaces the 0.01 entry.
+  new = [fake_result("resnet20", "dense", 0.1, 0.1), fake_result("resnet20", "dlgs", 0.1, 0.07),
+         fake_result("resnet20", "dlgs", 0.01, 0.05)]
+  merged = bench.merge(path, new, args)
+  keys = [(r["model"], r["method"], r["density"], r["median"]["step"]) for r in merged]
+  assert keys == [("resnet20", "dense", 0.1, 0.1), ("resnet20", "dlgs", 0.1, 0.07),
+                  ("resnet20", "dlgs", 0.01, 0.05), ("vgg16", "dense", 0.01, 4.0),
+                  ("vgg16", "dlgs", 0.01, 2.0)]
+  with pytest.raises(SystemExit, match="P=4 at 1gbit, not P=4 at 100mbit"):
+    bench.merge(path, new, argparse.Namespace(workers=4, bandwidth="100mbit"))
+  for r in merged:
+    r["speedup_vs_dense"] = 1.0 if r["method"] == "dense" else 2.0
+  table = bench.markdown(merged).splitlines()
+  assert len(table) == 2 + len(merged)
+  assert "| resnet20 | 32x32, b8 | dense | - |" in table[2]
+  assert "| 0.07 |" not in table[3] and "| dlgs | 0.1 |" in table[3]
+  assert table[3].endswith("| 77.0 | +10% |")
+
+
+def test_accuracy_configurations_run_density_free_methods_once():
+  accuracy = load("accuracy")
+  assert accuracy.configurations(["dense", "topk", "dlgs"], [0.1, 0.01]) == [
+      ("dense", 0.1), ("topk", 0.1), ("dlgs", 0.1), ("topk", 0.01), ("dlgs", 0.01)]
+
+
+def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
+  command = [sys.executable, str(ROOT / "experiments" / "accuracy.py"), "--model", "smallcnn",
+             "--methods", "dense,dlgs", "--densities", "0.1", "--epochs", "1", "--workers", "2",
+             "--batch-size", "32", "--out-dir", str(tmp_path / "out"),
+             "--runs-dir", str(tmp_path / "runs")]
+  first = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=600)
+  assert first.returncode == 0, first.stderr[-3000:]
+  results = json.loads((tmp_path / "out" / "results.json").read_text())
+  assert [(r["method"], r["density"]) for r in results["results"]] == [("dense", None),
+                                                                      ("dlgs", 0.1)]
+  for r in results["results"]:
+    assert len(r["epochs"]) == 1
+    assert 0.0 <= r["epochs"][0]["test_accuracy"] <= 1.0
+    assert r["summary"]["workers"] == 2
+  dense, dlgs = (r["summary"] for r in results["results"])
+  # DLGS at density 0.1 sends far less than the dense all-reduce of the same model.
+  dense_sent = dense["bytes_sent_per_step"] or dense["dense_bytes_per_step"]
+  assert 0 < dlgs["bytes_sent_per_step"] < 0.5 * dense_sent
+  table = (tmp_path / "out" / "results.md").read_text().splitlines()
+  assert len(table) == 4 and table[2].startswith("| dense | - |")
+  assert (tmp_path / "out" / "curves.png").stat().st_size > 10_000
+  second = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=600)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert second.stdout.count("reusing") == 2
+  assert json.loads((tmp_path / "out" / "results.json").read_text())["results"] == \
+      results["results"]
+
+
+def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
+  command = [sys.executable, str(ROOT / "experiments" / "run_suite.py"), "--out-dir",
+             str(tmp_path)]
+  bad = subprocess.run(command + ["--only", "scaling,bogus"], cwd=ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=60)
+  assert bad.returncode == 2 and "'bogus'" in bad.stderr
+  done = subprocess.run(command + ["--only", "scaling,ring"], cwd=ROOT, env=child_env(),
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "| scaling | ok |" in done.stdout and "| ring | ok |" in done.stdout
+  assert "| sparsify |" not in done.stdout
+  assert (tmp_path / "scaling" / "scaling_density0.01.json").exists()
+  assert any((tmp_path / "ring").iterdir())
