@@ -63,9 +63,12 @@ def main(argv=None) -> int:
   workers = int(mesh.devices.size)
   leader = jax.process_index() == 0
   if args.profile_out:
+    # In lockstep, as the timed runs are: processes sharing a core share it.
+    barrier = ((lambda: multihost_utils.sync_global_devices("profile"))
+               if jax.process_count() > 1 else None)
     profile, details = profiler.profile_model(
         args.model, density=args.density, batch_size=args.batch_size,
-        image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every)
+        image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every, barrier=barrier)
     if leader:
       profile.save(args.profile_out)
       with open(args.profile_out + ".details.json", "w") as f:

@@ -150,31 +150,47 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
 def step_thresholds(
     select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
     previous: Sequence[jax.Array], recompute: jax.Array,
-) -> list[jax.Array]:
+) -> tuple[list[jax.Array], Optional[list[jax.Array]]]:
   """H_l per leaf: the exact k_l-th largest |g_l| when `recompute`, else `previous`.
 
   With ``select.refresh_below`` set, a leaf whose reused threshold would pass
   fewer than ``refresh_below * k_l`` values, or more than its buffer holds,
-  gets its exact threshold this step too (one counting pass over the leaf
-  decides). A stale threshold otherwise sends far fewer values than the
-  density asks for (measured: 38% of k on average over ResNet-20's first
-  epochs at ``reuse_every=10``), or fills the buffer in flat index order.
+  gets its exact threshold this step too. A stale threshold otherwise sends
+  far fewer values than the density asks for (measured: 38% of k on average
+  over ResNet-20's first epochs at ``reuse_every=10``), or fills the buffer in
+  flat index order. The count comes from the packed passing mask
+  (`selection.pack_passing`), which the selection then uses as it is when the
+  threshold is kept: one pass over the leaf serves both.
 
   One `lax.cond` per leaf rather than one around all leaves: on CPU a single
   conditional over every gradient copies its operands, which costs more than
   the reuse step it guards.
+
+  Returns:
+    ``(thresholds, packed)``: float32 scalars per leaf, and with the refresh
+    rule the packed mask of each leaf's final threshold (for
+    `sparse_exchange`), else None.
   """
-  thresholds = []
+  thresholds, packed = [], []
   for g, h, size in zip(accumulated, previous, layout.sizes):
     k = select.leaf_k(size)
-    redo = recompute
-    if select.refresh_below is not None:
-      passing = selection.count_at_least_abs(g, h)
-      redo = (redo | (passing < math.ceil(select.refresh_below * k))
-              | (passing > select.leaf_capacity(size)))
-    thresholds.append(lax.cond(
-        redo, lambda g=g, k=k: selection.kth_largest_abs(g, k), lambda h=h: h))
-  return thresholds
+    if select.refresh_below is None:
+      thresholds.append(lax.cond(
+          recompute, lambda g=g, k=k: selection.kth_largest_abs(g, k), lambda h=h: h))
+      continue
+    words = selection.pack_passing(g, h)
+    passing = selection.count_packed(words)
+    redo = (recompute | (passing < math.ceil(select.refresh_below * k))
+            | (passing > select.leaf_capacity(size)))
+
+    def exact(g=g, k=k):
+      new = selection.kth_largest_abs(g, k)
+      return new, selection.pack_passing(g, new)
+
+    h, words = lax.cond(redo, exact, lambda h=h, words=words: (h, words))
+    thresholds.append(h)
+    packed.append(words)
+  return thresholds, (packed if select.refresh_below is not None else None)
 
 
 def sparse_exchange(
@@ -185,6 +201,7 @@ def sparse_exchange(
     thresholds: Optional[Sequence[jax.Array]],
     *,
     axis_name,
+    packed: Optional[Sequence[jax.Array]] = None,
 ):
   """One sparse communication step over all groups.
 
@@ -195,6 +212,9 @@ def sparse_exchange(
     accumulated: flat list of g = residual + gradient per leaf.
     thresholds: H_l per leaf (float32 scalars) for the "threshold" rule.
     axis_name: the data-parallel axis.
+    packed: optionally, each leaf's passing mask for its threshold, packed by
+      `selection.pack_passing` (as `step_thresholds` returns it), so it is not
+      built again.
 
   Returns:
     ``(means, residuals, selected, passed, bytes_sent, bytes_received)``:
@@ -219,8 +239,12 @@ def sparse_exchange(
       for leaf in leaves:
         leaf_size = layout.sizes[leaf]
         if select.kind == "threshold":
-          local, leaf_passed = selection.threshold_indices(
-              accumulated[leaf], thresholds[leaf], select.leaf_capacity(leaf_size))
+          capacity = select.leaf_capacity(leaf_size)
+          if packed is not None:
+            local, leaf_passed = selection.indices_from_words(packed[leaf], leaf_size, capacity)
+          else:
+            local, leaf_passed = selection.threshold_indices(
+                accumulated[leaf], thresholds[leaf], capacity)
         else:
           local = selection.topk_indices(accumulated[leaf], select.leaf_k(leaf_size))
           leaf_passed = jnp.asarray(local.shape[0], jnp.int32)

@@ -96,6 +96,36 @@ def topk_indices(x: jax.Array, k: int) -> jax.Array:
   return lax.top_k(flat, k)[1].astype(jnp.int32)
 
 
+def passing_mask(x: jax.Array, threshold: jax.Array) -> jax.Array:
+  """Flat bool mask of the values threshold selection passes: ``|x| >= threshold``, ``x != 0``.
+
+  Zeros never pass: sending them moves nothing.
+  """
+  magnitude = jnp.abs(x.reshape(-1))
+  return (magnitude >= threshold.astype(magnitude.dtype)) & (magnitude > 0)
+
+
+def pack_passing(x: jax.Array, threshold: jax.Array) -> jax.Array:
+  """`passing_mask` packed 32 to a word: uint32[ceil(x.size / 32)], bit i of word w = value 32w+i.
+
+  The packed form is all `indices_from_words` needs, and its popcount is the
+  number of values passing (`count_packed`), so one pass over ``x`` serves
+  both the count and the selection.
+  """
+  mask = passing_mask(x, threshold)
+  pad = (-mask.shape[0]) % 32
+  if pad:
+    mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
+  # Distinct powers of two: the sum is the bitwise OR of the word's bits.
+  return jnp.sum(mask.reshape(-1, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32),
+                 axis=1, dtype=jnp.uint32)
+
+
+def count_packed(words: jax.Array) -> jax.Array:
+  """Number of set bits of a packed mask (int32 scalar)."""
+  return jnp.sum(lax.population_count(words).astype(jnp.int32))
+
+
 def threshold_indices(
     x: jax.Array, threshold: jax.Array, capacity: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -104,13 +134,6 @@ def threshold_indices(
   At most `capacity` indices are returned, the first ones in flat index order;
   values that pass but do not fit are simply not selected (the caller keeps
   them in its residual). Zeros are never selected: sending them moves nothing.
-
-  A scatter of all n positions into the buffer is the obvious way and costs as
-  much as a sort on CPU. Instead the mask is packed into 32-bit words, a
-  prefix sum over the n/32 word popcounts gives each word its first output
-  slot, a running max spreads word indices over the slots, and a 5-step bit
-  search finds the bit in the word: O(n) simple passes, a scatter of n/32
-  words and O(capacity) work.
 
   Args:
     x: any-shaped array.
@@ -122,16 +145,27 @@ def threshold_indices(
     with the sentinel ``x.size``, and the int32 number of values that passed
     the threshold (possibly more than `capacity`).
   """
-  flat = x.reshape(-1)
-  size = flat.shape[0]
-  magnitude = jnp.abs(flat)
-  mask = (magnitude >= threshold.astype(magnitude.dtype)) & (magnitude > 0)
-  pad = (-size) % 32
-  if pad:
-    mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
-  # Distinct powers of two: the sum is the bitwise OR of the word's bits.
-  words = jnp.sum(mask.reshape(-1, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32),
-                  axis=1, dtype=jnp.uint32)
+  return indices_from_words(pack_passing(x, threshold), x.size, capacity)
+
+
+def indices_from_words(words: jax.Array, size: int, capacity: int
+                       ) -> tuple[jax.Array, jax.Array]:
+  """`threshold_indices` from a mask already packed by `pack_passing`.
+
+  A scatter of all n positions into the buffer is the obvious way and costs as
+  much as a sort on CPU. Instead a prefix sum over the n/32 word popcounts
+  gives each word its first output slot, a running max spreads word indices
+  over the slots, and a 5-step bit search finds the bit in the word: a scatter
+  of n/32 words and O(capacity) work.
+
+  Args:
+    words: uint32[ceil(size / 32)] from `pack_passing`.
+    size: number of values the mask covers (the sentinel).
+    capacity: static buffer size, 1 <= capacity <= size.
+
+  Returns:
+    ``(indices, passed)`` as `threshold_indices`.
+  """
   counts = lax.population_count(words).astype(jnp.int32)
   starts = jnp.cumsum(counts) - counts  # exclusive prefix sums: first slot of each word
   passed = starts[-1] + counts[-1]
@@ -158,18 +192,3 @@ def threshold_indices(
 def count_valid(indices: jax.Array, size: int) -> jax.Array:
   """Number of non-sentinel entries of an index buffer (int32 scalar)."""
   return jnp.sum(indices < size, dtype=jnp.int32)
-
-
-def count_at_least_abs(x: jax.Array, threshold: jax.Array) -> jax.Array:
-  """How many nonzero values have ``|x| >= threshold`` (what `threshold_indices` passes).
-
-  Args:
-    x: any-shaped array.
-    threshold: scalar.
-
-  Returns:
-    int32 scalar.
-  """
-  magnitude = jnp.abs(x.reshape(-1))
-  mask = (magnitude >= threshold.astype(magnitude.dtype)) & (magnitude > 0)
-  return jnp.sum(mask, dtype=jnp.int32)

@@ -51,9 +51,10 @@ class Profile:
     t_backward: backward time t_b per leaf, same order (a layer's whole time
       on its first leaf, 0 on the others of the same layer).
     workers: P, the number of workers the costs were measured or modelled for.
-    sparsify: selection cost per message as a function of its elements, one
-      `LinearCost` per method ("dlgs" amortised over its reuse period, "lags"
-      and "topk" exact top-k); missing methods cost nothing.
+    sparsify: local update cost per message as a function of its elements,
+      one `LinearCost` per method: selection, error-feedback bookkeeping and
+      the optimizer after it ("dlgs" amortised over its reuse period; "dense"
+      the optimizer alone); missing methods cost nothing.
     comm: communication cost per collective as a function of the bytes each
       worker sends ("allreduce", "allgather", "gtopk").
     source: how the numbers were obtained (e.g. "measured on 8 CPU devices").
@@ -154,9 +155,7 @@ class MethodCosts:
 
   def sparsify_time(self, profile: Profile, size: int) -> float:
     cost = profile.sparsify.get(self.method)
-    if self.method == "dense" or cost is None:
-      return 0.0
-    return cost(size)
+    return 0.0 if cost is None else cost(size)
 
   def comm_bytes(self, profile: Profile, size: int) -> float:
     """Bytes the busiest worker sends for one message of `size` elements."""

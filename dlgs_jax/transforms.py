@@ -138,12 +138,13 @@ def _sparse_transform(
                       if with_thresholds else None)
 
     def communicate(_):
-      thresholds = old_thresholds
+      thresholds, packed = old_thresholds, None
       if with_thresholds:
-        thresholds = engine.step_thresholds(
+        thresholds, packed = engine.step_thresholds(
             select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
       means, residuals, selected, passed, sent, received = engine.sparse_exchange(
-          layout, select, collective, accumulated, thresholds, axis_name=axis_name)
+          layout, select, collective, accumulated, thresholds, axis_name=axis_name,
+          packed=packed)
       stats = CommStats(sent, received, selected, passed, state.stats.skipped)
       return _as_varying((means, residuals, thresholds, stats, state.count + 1), axis_name)
 

@@ -40,16 +40,16 @@ def median_ms(fn, repeats: int) -> float:
 def make_selectors(params, density, reuse_every):
   layout = engine.make_layout(params, None, None)
   sizes = layout.sizes
-  select = engine.Selection("threshold", density)
+  select = engine.Selection("threshold", density, refresh_below=0.5)
   ks = [select.leaf_k(n) for n in sizes]
   caps = [select.leaf_capacity(n) for n in sizes]
 
   @jax.jit
   def dlgs_step(leaves, thresholds, count):
-    thresholds = engine.step_thresholds(
+    thresholds, packed = engine.step_thresholds(
         select, layout, leaves, thresholds, count % reuse_every == 0)
-    picked = [selection.threshold_indices(g, h, c)[0]
-              for g, h, c in zip(leaves, thresholds, caps)]
+    picked = [selection.indices_from_words(w, n, c)[0]
+              for w, n, c in zip(packed, sizes, caps)]
     return picked, thresholds
 
   @jax.jit

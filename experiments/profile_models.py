@@ -47,7 +47,8 @@ def main(argv=None):
     print(f"{name}: forward {profile.t_forward * 1e3:.2f} ms, backward "
           f"{details['backward_measured'] * 1e3:.2f} ms (layers alone sum to "
           f"{details['backward_sum_alone'] * 1e3:.2f} ms, {details['backward_difference'] * 100:+.1f}%), "
-          f"dlgs select {profile.sparsify['dlgs']}, top-k {profile.sparsify['lags']}; wrote {path}",
+          f"update per message: dlgs {profile.sparsify['dlgs']}, lags {profile.sparsify['lags']}; "
+          f"wrote {path}",
           flush=True)
 
 

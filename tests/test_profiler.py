@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dlgs_jax
 from dlgs_jax import grouping, models, parallel, profiler
 from dlgs_jax.timeline import LinearCost, Profile
 
@@ -70,6 +71,40 @@ def test_measure_comm_on_local_mesh():
   assert set(costs) == {"allreduce", "allgather", "gtopk"}
   for points in raw.values():
     assert len(points) == 2 and all(t > 0 for _, t in points)
+
+
+def test_measure_update_fits_every_method():
+  costs, raw = profiler.measure_update([4096, 65536], 0.01, repeats=2, reuse_every=4)
+  assert set(costs) == set(profiler.UPDATE_METHODS)
+  assert raw["sizes"] == [4096, 65536]
+  for method in profiler.UPDATE_METHODS:
+    assert len(raw[method]) == 2 and all(t > 0 for t in raw[method])
+    assert costs[method](65536) > 0
+
+
+def test_measure_update_times_a_dlgs_reuse_step():
+  # The timed "later" state must reuse its threshold: exactly k values of the
+  # same gradient pass it, so the refresh rule does not recompute it.
+  tx = profiler.training_optimizer("dlgs", 0.01, reuse_every=10)
+  params = {"x": jnp.zeros(10000, jnp.float32)}
+  grads = {"x": jnp.asarray(np.random.default_rng(1).standard_normal(10000), jnp.float32)}
+  update = jax.jit(tx.update)
+  kept = update(grads, tx.init(params), params)[1]
+  later = profiler._without_residuals(kept)
+  dlgs_state = next(s for s in later if isinstance(s, dlgs_jax.DLGSState))
+  threshold = float(dlgs_state.thresholds["x"])
+  g = np.asarray(grads["x"])
+  # With its residual the next step's accumulation would overflow the buffer
+  # (the refresh rule would recompute); without it exactly k values pass.
+  residual = np.asarray(next(s for s in kept if isinstance(s, dlgs_jax.DLGSState)).residuals["x"])
+  assert np.sum(np.abs(g + residual) >= threshold) > 2 * 100
+  assert np.sum(np.abs(g) >= threshold) == 100
+  assert float(jnp.abs(dlgs_state.residuals["x"]).max()) == 0.0
+  _, after = update(grads, later, params)
+  after_dlgs = next(s for s in after if isinstance(s, dlgs_jax.DLGSState))
+  assert int(after_dlgs.count) == 2
+  np.testing.assert_array_equal(after_dlgs.thresholds["x"], dlgs_state.thresholds["x"])
+  assert int(dlgs_jax.comm_stats(after).passed.sum()) == 100
 
 
 def run_cli(*args, timeout=600):

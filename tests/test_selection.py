@@ -92,12 +92,18 @@ def test_threshold_indices_word_packing_edges(size):
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.5, 1.7, 100.0])
-def test_count_at_least_abs_matches_numpy_and_threshold_indices(threshold):
+def test_packed_mask_counts_and_selects_like_threshold_indices(threshold):
   x = np.random.default_rng(9).standard_normal((7, 13)).astype(np.float32)
   x[0, :5] = 0.0
-  count = jax.jit(selection.count_at_least_abs)(jnp.asarray(x), jnp.float32(threshold))
-  expected = int(np.sum((np.abs(x) >= threshold) & (x != 0)))
-  assert int(count) == expected
-  _, passed = jax.jit(selection.threshold_indices, static_argnums=2)(
-      jnp.asarray(x), jnp.float32(threshold), x.size)
-  assert int(passed) == expected
+  words = jax.jit(selection.pack_passing)(jnp.asarray(x), jnp.float32(threshold))
+  expected_mask = (np.abs(x) >= threshold) & (x != 0)
+  bits = np.unpackbits(np.asarray(words).view(np.uint8), bitorder="little")[:x.size]
+  np.testing.assert_array_equal(bits.astype(bool), expected_mask.reshape(-1))
+  assert int(jax.jit(selection.count_packed)(words)) == int(expected_mask.sum())
+  capacity = 20
+  got, passed = jax.jit(selection.indices_from_words, static_argnums=(1, 2))(
+      words, x.size, capacity)
+  want, want_passed = jax.jit(selection.threshold_indices, static_argnums=2)(
+      jnp.asarray(x), jnp.float32(threshold), capacity)
+  np.testing.assert_array_equal(got, want)
+  assert int(passed) == int(want_passed) == int(expected_mask.sum())
