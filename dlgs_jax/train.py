@@ -35,6 +35,14 @@ from pathlib import Path
 METHODS = ("dense", "topk", "lags", "gtopk", "dlgs", "dgc", "terngrad")
 PLANNERS = ("none", "wfbp", "single", "greedy", "optimal")
 CIFAR_MODELS = ("smallcnn", "resnet20", "vgg16")
+# Methods whose --density changes nothing: experiments run them once.
+DENSITY_FREE = ("dense", "terngrad")
+
+
+def configurations(methods, densities) -> list[tuple[str, float]]:
+  """(method, density) pairs an experiment runs: density-free methods once (first density)."""
+  return [(method, density) for density in densities for method in methods
+          if method not in DENSITY_FREE or density == densities[0]]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

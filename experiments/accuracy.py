@@ -26,9 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from dlgs_jax.train import DENSITY_FREE, configurations
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DENSITY_FREE = ("dense", "terngrad")
 # Named variants: (dlgs-train method, extra flags).
 VARIANTS = {"dlgs-paper": ("dlgs", ["--refresh-below", "none"])}
 
@@ -56,17 +57,6 @@ def parse_args(argv=None):
   if args.quick:
     args.methods, args.densities, args.epochs = "dense,dlgs", "0.1", 2
   return args
-
-
-def configurations(methods, densities):
-  """(method, density) pairs: density-free methods once, the others at each density."""
-  pairs = []
-  for density in densities:
-    for method in methods:
-      if method in DENSITY_FREE and density != densities[0]:
-        continue
-      pairs.append((method, density))
-  return pairs
 
 
 def train_command(args, method, density, workdir):

@@ -29,11 +29,12 @@ import sys
 import time
 from pathlib import Path
 
+from dlgs_jax.train import DENSITY_FREE, configurations
+
 HERE = Path(__file__).resolve().parent
 PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs")
 GROUPING = {"dense": "optimal", "dlgs": "optimal", "lags": "wfbp", "topk": "single",
             "gtopk": "single"}
-DENSITY_FREE = ("dense", "terngrad")
 
 
 def parse_args(argv=None):
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
   densities = [float(d) for d in args.densities.split(",")]
   common = ["--batch-size", str(args.batch_size)] + (
       ["--image-size", str(args.image_size)] if args.image_size else [])
+  runs = set(configurations(methods, densities))
   results = []
   started = time.time()
   command = "python experiments/bench_cluster.py " + " ".join(sys.argv[1:] if argv is None
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
           bench(["--profile-out", str(profile_path), "--density", str(density)])
         profile = Profile.load(profile_path)
         for method in methods:
-          if method in DENSITY_FREE and density != densities[0]:
+          if (method, density) not in runs:
             continue
           result_path = out / f"run_{model}_{method}_{density:g}.json"
           plan_path = out / f"plan_{model}_{method}_{density:g}.json"

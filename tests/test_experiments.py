@@ -55,12 +55,6 @@ def test_bench_cluster_merge_replaces_remeasured_configurations_and_keeps_the_re
   assert table[3].endswith("| 77.0 | +10% |")
 
 
-def test_accuracy_configurations_run_density_free_methods_once():
-  accuracy = load("accuracy")
-  assert accuracy.configurations(["dense", "topk", "dlgs"], [0.1, 0.01]) == [
-      ("dense", 0.1), ("topk", 0.1), ("dlgs", 0.1), ("topk", 0.01), ("dlgs", 0.01)]
-
-
 def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "accuracy.py"), "--model", "smallcnn",
              "--methods", "dense,dlgs", "--densities", "0.1", "--epochs", "1", "--workers", "2",

@@ -204,3 +204,10 @@ def test_trains_on_an_image_folder_with_sync_batchnorm(tmp_path):
   missing = run_cli(["--model", "resnet50", "--local-devices", "2", "--workdir",
                      str(tmp_path / "r50")])
   assert missing.returncode != 0 and "resnet50 needs --data-dir" in missing.stderr
+
+
+def test_configurations_run_density_free_methods_once():
+  assert train.configurations(["dense", "topk", "dlgs", "terngrad"], [0.1, 0.01]) == [
+      ("dense", 0.1), ("topk", 0.1), ("dlgs", 0.1), ("terngrad", 0.1), ("topk", 0.01),
+      ("dlgs", 0.01)]
+  assert train.configurations(["dlgs"], []) == []
