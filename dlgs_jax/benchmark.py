@@ -2,7 +2,7 @@
 
 Run one copy per process (e.g. by `dlgs_jax.cluster` or ``dlgs-launch
 --module dlgs_jax.benchmark``). Every process times, in lockstep (a barrier
-before each repetition), four jitted programs on the same synthetic batch:
+before each repetition), four jitted programs:
 
 * ``compute``  -- forward + backward on the local batch;
 * ``compress`` -- compute + the method's update with ``axis_name=None``:
@@ -10,6 +10,14 @@ before each repetition), four jitted programs on the same synthetic batch:
 * ``exchange`` -- the method's update inside ``shard_map`` on fixed gradients:
   selection + collectives, no forward/backward;
 * ``step``     -- the real training step (compute, selection, collectives).
+
+Each repetition takes the next of ``--batches`` distinct batches per worker:
+real CIFAR-10 images (the embedded subset) when the input is 32x32x3, random
+images otherwise. Gradients must change from step to step as in training: on
+one repeated batch the error-feedback residuals grow without bound, so every
+reused DLGS threshold overflows its buffer and is recomputed (measured:
+ResNet-20 DLGS 0.1 then costs 20 ms of update per step instead of ~8 ms), and
+DGC's threshold search behaves differently too.
 
 Breakdown (medians): compute; sparsification = compress - compute;
 non-overlapped communication = step - compress; communication alone =
@@ -40,13 +48,45 @@ def parse_args(argv=None):
   parser.add_argument("--plan", help="plan JSON giving the method's groups")
   parser.add_argument("--steps", type=int, default=20, help="timed repetitions per program")
   parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--batches", type=int, default=8,
+                      help="distinct batches per worker, taken in turn by the repetitions")
   parser.add_argument("--out", help="JSON result (written by process 0)")
   parser.add_argument("--profile-out", help="measure a planner profile instead, write it here")
   return parser.parse_args(argv)
 
 
+def benchmark_batches(shape, num_classes: int, batches: int, workers: int, batch_size: int,
+                      *, first_worker: int = 0):
+  """Distinct batches per worker: uint8 images [batches, workers, batch_size, *shape], labels.
+
+  Real CIFAR-10 images from the embedded subset when `shape` is (32, 32, 3)
+  (each worker its own slice, as a data-parallel loader gives), random images
+  and labels otherwise.
+  """
+  import numpy as np
+  from dlgs_jax import data
+
+  count = batches * workers * batch_size
+  if tuple(shape) == (32, 32, 3):
+    train, _ = data.load_embedded_cifar10()
+    start = first_worker * batches * batch_size
+    pick = (start + np.arange(count)) % train.images.shape[0]
+    images, labels = train.images[pick], train.labels[pick] % num_classes
+  else:
+    rng = np.random.default_rng(first_worker)
+    images = rng.integers(0, 256, (count,) + tuple(shape), dtype=np.uint8)
+    labels = rng.integers(0, num_classes, count).astype(np.int32)
+  order = (workers, batches, batch_size)
+  images = images.reshape(order + tuple(shape)).swapaxes(0, 1)
+  labels = labels.reshape(order).swapaxes(0, 1).astype(np.int32)
+  return images, labels
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  for name in ("batches", "steps", "batch_size"):
+    if getattr(args, name) < 1:
+      raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   from dlgs_jax import distributed
   distributed.initialize()
 
@@ -79,10 +119,9 @@ def main(argv=None) -> int:
   model, shape = models.create_model(args.model)
   if args.image_size:
     shape = (args.image_size, args.image_size, shape[2])
-  rng = np.random.default_rng(jax.process_index())
   local = parallel.local_worker_count(mesh)
-  images = rng.integers(0, 256, (local, args.batch_size) + shape, dtype=np.uint8)
-  labels = rng.integers(0, model.num_classes, (local, args.batch_size)).astype(np.int32)
+  images, labels = benchmark_batches(shape, model.num_classes, args.batches, local,
+                                     args.batch_size, first_worker=jax.process_index() * local)
   settings = train.parse_args(["--method", args.method, "--density", str(args.density),
                                "--reuse-every", str(args.reuse_every)])
   sample = np.zeros((1,) + shape, np.uint8)
@@ -97,12 +136,14 @@ def main(argv=None) -> int:
   tx_local = train.build_optimizer(settings, None, 0.01, groups, order)
   state = training.init_train_state(model, tx, sample, mesh, seed=0)
   step_fn = training.make_train_step(model, tx, mesh, augment=False)
-  batch = parallel.shard_batch((images, labels), mesh)
+  global_batches = [parallel.shard_batch((images[i], labels[i]), mesh)
+                    for i in range(args.batches)]
 
   params = jax.device_put(parallel.fetch(state.params), jax.local_devices()[0])
   batch_stats = jax.device_put(parallel.fetch(state.batch_stats), jax.local_devices()[0])
-  x = jnp.asarray(images[0])
-  y = jnp.asarray(labels[0])
+  # This process's first worker's batches, for the programs that run on one device.
+  xs = [jnp.asarray(images[i, 0]) for i in range(args.batches)]
+  ys = [jnp.asarray(labels[i, 0]) for i in range(args.batches)]
 
   def loss_fn(p, x, y):
     logits, _ = training.apply_for_training(model, p, batch_stats, data.normalize(x))
@@ -115,7 +156,7 @@ def main(argv=None) -> int:
   def compress_fn(p, s, x, y):
     return tx_local.update(grad_fn(p, x, y), s, p)
 
-  grads_fixed = parallel.stack_per_worker(grad_fn(params, x, y), mesh)
+  grads_fixed = parallel.stack_per_worker(grad_fn(params, xs[0], ys[0]), mesh)
 
   def exchange(g, s, p):
     u, s = tx.update(parallel.squeeze(g), parallel.squeeze(s), p)
@@ -135,18 +176,27 @@ def main(argv=None) -> int:
       times.append(time.perf_counter() - start)
     return times
 
-  holder = {"state": state, "local": local_state}
+  holder = {"state": state, "local": local_state, "turn": 0}
+
+  def next_batch():
+    holder["turn"] = (holder["turn"] + 1) % args.batches
+    return holder["turn"]
 
   def run_step():
-    holder["state"], metrics = step_fn(holder["state"], *batch)
+    holder["state"], metrics = step_fn(holder["state"], *global_batches[next_batch()])
     return metrics
 
   def run_compress():
-    update, holder["local"] = compress_fn(params, holder["local"], x, y)
+    i = next_batch()
+    update, holder["local"] = compress_fn(params, holder["local"], xs[i], ys[i])
     return update
 
+  def run_compute():
+    i = next_batch()
+    return grad_fn(params, xs[i], ys[i])
+
   raw = {
-      "compute": timed(lambda: grad_fn(params, x, y)),
+      "compute": timed(run_compute),
       "compress": timed(run_compress),
       "exchange": timed(lambda: exchange_fn(grads_fixed, holder["state"].opt_state,
                                             holder["state"].params)),

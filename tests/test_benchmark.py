@@ -1,0 +1,57 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dlgs_jax import benchmark, data
+from helpers import child_env
+
+
+def test_benchmark_batches_are_real_cifar_slices_distinct_per_worker_and_step():
+  images, labels = benchmark.benchmark_batches((32, 32, 3), 10, 3, 2, 4, first_worker=2)
+  assert images.shape == (3, 2, 4, 32, 32, 3) and images.dtype == np.uint8
+  assert labels.shape == (3, 2, 4) and labels.dtype == np.int32
+  train, _ = data.load_embedded_cifar10()
+  # Worker 2 (this process's first) starts at image 2 * 3 batches * 4.
+  np.testing.assert_array_equal(images[0, 0], train.images[24:28])
+  np.testing.assert_array_equal(labels[1, 0], train.labels[28:32])
+  np.testing.assert_array_equal(images[0, 1], train.images[36:40])  # worker 3
+  flat = images.reshape(24, -1)
+  assert len({row.tobytes() for row in flat}) == 24  # no batch repeats
+
+
+def test_benchmark_batches_other_shapes_are_random_and_in_range():
+  images, labels = benchmark.benchmark_batches((16, 16, 3), 1000, 2, 1, 5)
+  assert images.shape == (2, 1, 5, 16, 16, 3)
+  assert labels.min() >= 0 and labels.max() < 1000
+  assert not np.array_equal(images[0], images[1])
+
+
+@pytest.mark.parametrize("flag", ["--batches", "--steps"])
+def test_benchmark_rejects_nonpositive_counts(flag):
+  done = subprocess.run([sys.executable, "-m", "dlgs_jax.benchmark", flag, "0"],
+                        env=child_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode != 0 and f"{flag} must be >= 1, got 0" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_benchmark_on_two_processes_writes_a_consistent_breakdown(tmp_path):
+  out = tmp_path / "run.json"
+  done = subprocess.run(
+      [sys.executable, "-m", "dlgs_jax.launch", "--nproc", "2", "--module", "dlgs_jax.benchmark",
+       "--", "--model", "smallcnn", "--method", "dlgs", "--density", "0.1", "--steps", "3",
+       "--warmup", "1", "--batches", "2", "--batch-size", "4", "--out", str(out)],
+      env=child_env(), capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+  result = json.loads(out.read_text())
+  assert result["workers"] == 2 and result["method"] == "dlgs"
+  assert len(result["per_process_median"]) == 2
+  for program in ("compute", "compress", "exchange", "step"):
+    assert len(result["raw"][program]) == 3 and all(t > 0 for t in result["raw"][program])
+  med, parts = result["median"], result["breakdown"]
+  assert parts["sparsify"] == pytest.approx(max(med["compress"] - med["compute"], 0.0))
+  assert parts["comm_exposed"] == pytest.approx(max(med["step"] - med["compress"], 0.0))
+  assert parts["overlap"] == pytest.approx(parts["comm_alone"] - parts["comm_exposed"])
+  assert result["bytes_sent"] > 0 and 0 < result["selected"]
