@@ -13,11 +13,10 @@ before each repetition), four jitted programs:
 
 Each repetition takes the next of ``--batches`` distinct batches per worker:
 real CIFAR-10 images (the embedded subset) when the input is 32x32x3, random
-images otherwise. Gradients must change from step to step as in training: on
-one repeated batch the error-feedback residuals grow without bound, so every
-reused DLGS threshold overflows its buffer and is recomputed (measured:
-ResNet-20 DLGS 0.1 then costs 20 ms of update per step instead of ~8 ms), and
-DGC's threshold search behaves differently too.
+images otherwise, and the train step uses training's learning rate: DLGS's
+refresh rule and DGC's threshold search depend on how gradients and residuals
+change from step to step, so they must change as in training. The result
+records how many leaves DLGS computed exact thresholds for per step.
 
 Breakdown (medians): compute; sparsification = compress - compute;
 non-overlapped communication = step - compress; communication alone =
@@ -43,6 +42,8 @@ def parse_args(argv=None):
   parser.add_argument("--method", default="dlgs")
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--reuse-every", type=int, default=10)
+  parser.add_argument("--refresh-below", default="0.5",
+                      help="DLGS refresh rule, as in dlgs-train ('none': the paper's schedule)")
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--image-size", type=int)
   parser.add_argument("--plan", help="plan JSON giving the method's groups")
@@ -123,7 +124,9 @@ def main(argv=None) -> int:
   images, labels = benchmark_batches(shape, model.num_classes, args.batches, local,
                                      args.batch_size, first_worker=jax.process_index() * local)
   settings = train.parse_args(["--method", args.method, "--density", str(args.density),
-                               "--reuse-every", str(args.reuse_every)])
+                               "--reuse-every", str(args.reuse_every),
+                               "--refresh-below", args.refresh_below])
+  train.check_args(settings)
   sample = np.zeros((1,) + shape, np.uint8)
   variables = model.init(jax.random.key(0), sample.astype(np.float32), train=False)
   order = train.backward_order_of(model, variables["params"], variables.get("batch_stats", {}),
@@ -132,8 +135,10 @@ def main(argv=None) -> int:
   if plan is not None:
     plan.check_compatible(paths=grouping.leaf_paths(variables["params"]), workers=workers)
   groups = plan.groups if plan else None
-  tx = train.build_optimizer(settings, "data", 0.01, groups, order)
-  tx_local = train.build_optimizer(settings, None, 0.01, groups, order)
+  # Training's learning rate: how fast gradients drift decides how often DLGS
+  # must recompute a reused threshold.
+  tx = train.build_optimizer(settings, "data", settings.lr, groups, order)
+  tx_local = train.build_optimizer(settings, None, settings.lr, groups, order)
   state = training.init_train_state(model, tx, sample, mesh, seed=0)
   step_fn = training.make_train_step(model, tx, mesh, augment=False)
   global_batches = [parallel.shard_batch((images[i], labels[i]), mesh)
@@ -182,8 +187,11 @@ def main(argv=None) -> int:
     holder["turn"] = (holder["turn"] + 1) % args.batches
     return holder["turn"]
 
+  exact_leaves = []  # per step of the train-step program (device scalars)
+
   def run_step():
     holder["state"], metrics = step_fn(holder["state"], *global_batches[next_batch()])
+    exact_leaves.append(metrics.get("exact"))
     return metrics
 
   def run_compress():
@@ -219,6 +227,11 @@ def main(argv=None) -> int:
           "comm_alone": max(med["exchange"] - (med["compress"] - med["compute"]), 0.0),
       },
       "bytes_sent": stats["bytes_sent"], "selected": stats["selected"],
+      # DLGS: leaves whose threshold was computed exactly, mean over the timed
+      # steps, out of `leaves` (the schedule alone gives leaves / reuse_every).
+      "exact_leaves": (float(np.mean([float(x) for x in exact_leaves[-args.steps:]]))
+                       if exact_leaves and exact_leaves[-1] is not None else None),
+      "leaves": len(jax.tree_util.tree_leaves(variables["params"])),
       "raw": raw,
   }
   result["breakdown"]["overlap"] = (result["breakdown"]["comm_alone"]

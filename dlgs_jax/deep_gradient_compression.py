@@ -231,7 +231,7 @@ def dgc(
           def run(_):
             select = engine.Selection("threshold", d, capacity_factor=upper)
             thresholds = [
-                estimate_threshold(jax.random.fold_in(key, j), v, select.leaf_k(v.size),
+                estimate_threshold(jax.random.fold_in(key, j), v, select.leaf_k(sparse_layout, j),
                                    sample_ratio=sample_ratio, band=(lower, upper),
                                    max_lowering=max_lowering)
                 for j, v in enumerate(accumulated)]
@@ -264,7 +264,7 @@ def dgc(
         selected.append(size)
         passed.append(size)
       stats = CommStats(bytes_sent, bytes_sent, jnp.concatenate(selected),
-                        jnp.concatenate(passed), state.stats.skipped)
+                        jnp.concatenate(passed), state.stats.skipped, jnp.zeros((), jnp.int32))
       return _as_varying((means, new_u, new_v, stats, state.count + 1), axis_name)
 
     def skip(_):

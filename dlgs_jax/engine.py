@@ -106,27 +106,36 @@ class Selection:
   # "threshold" only: recompute a reused H_l early when fewer than
   # refresh_below * k_l values or more than the buffer holds would pass it.
   refresh_below: Optional[float] = None
+  # Per-leaf kinds only: leaves with fewer dimensions (biases, normalisation
+  # scales) are sent whole, inside the same message.
+  min_ndim: int = 0
 
-  def leaf_k(self, size: int) -> int:
+  def sent_whole(self, layout: Layout, leaf: int) -> bool:
+    return self.kind != "group_topk" and len(layout.shapes[leaf]) < self.min_ndim
+
+  def leaf_k(self, layout: Layout, leaf: int) -> int:
+    size = layout.sizes[leaf]
+    if self.sent_whole(layout, leaf):
+      return size
     return selection.num_to_keep(self.density, size)
 
-  def leaf_capacity(self, size: int) -> int:
-    k = self.leaf_k(size)
+  def leaf_capacity(self, layout: Layout, leaf: int) -> int:
+    k = self.leaf_k(layout, leaf)
     if self.kind == "threshold":
-      return min(size, int(math.ceil(self.capacity_factor * k)))
+      return min(layout.sizes[leaf], int(math.ceil(self.capacity_factor * k)))
     return k
 
   def group_k(self, layout: Layout, group: int) -> int:
     """Values the group keeps globally (k of gTop-k)."""
     if self.kind == "group_topk":
       return selection.num_to_keep(self.density, layout.group_size(group))
-    return sum(self.leaf_k(layout.sizes[leaf]) for leaf in layout.groups[group])
+    return sum(self.leaf_k(layout, leaf) for leaf in layout.groups[group])
 
   def buffer_length(self, layout: Layout, group: int) -> int:
     """Pairs a worker puts in the group's message before the collective."""
     if self.kind == "group_topk":
       return self.group_k(layout, group)
-    return sum(self.leaf_capacity(layout.sizes[leaf]) for leaf in layout.groups[group])
+    return sum(self.leaf_capacity(layout, leaf) for leaf in layout.groups[group])
 
 
 def concat_flat(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -150,7 +159,7 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
 def step_thresholds(
     select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
     previous: Sequence[jax.Array], recompute: jax.Array,
-) -> tuple[list[jax.Array], Optional[list[jax.Array]]]:
+) -> tuple[list[jax.Array], Optional[list[jax.Array]], jax.Array]:
   """H_l per leaf: the exact k_l-th largest |g_l| when `recompute`, else `previous`.
 
   With ``select.refresh_below`` set, a leaf whose reused threshold would pass
@@ -167,21 +176,29 @@ def step_thresholds(
   the reuse step it guards.
 
   Returns:
-    ``(thresholds, packed)``: float32 scalars per leaf, and with the refresh
+    ``(thresholds, packed, exact)``: float32 scalars per leaf; with the refresh
     rule the packed mask of each leaf's final threshold (for
-    `sparse_exchange`), else None.
+    `sparse_exchange`), else None; and the int32 number of leaves whose
+    threshold was computed exactly this step.
   """
   thresholds, packed = [], []
-  for g, h, size in zip(accumulated, previous, layout.sizes):
-    k = select.leaf_k(size)
+  exact_leaves = jnp.zeros((), jnp.int32)
+  for leaf, (g, h) in enumerate(zip(accumulated, previous)):
+    k = select.leaf_k(layout, leaf)
+    if select.sent_whole(layout, leaf):
+      # Every nonzero value goes; no threshold to find.
+      thresholds.append(jnp.zeros((), jnp.float32))
+      packed.append(selection.pack_passing(g, thresholds[-1]))
+      continue
     if select.refresh_below is None:
       thresholds.append(lax.cond(
           recompute, lambda g=g, k=k: selection.kth_largest_abs(g, k), lambda h=h: h))
+      exact_leaves = exact_leaves + recompute.astype(jnp.int32)
       continue
     words = selection.pack_passing(g, h)
     passing = selection.count_packed(words)
     redo = (recompute | (passing < math.ceil(select.refresh_below * k))
-            | (passing > select.leaf_capacity(size)))
+            | (passing > select.leaf_capacity(layout, leaf)))
 
     def exact(g=g, k=k):
       new = selection.kth_largest_abs(g, k)
@@ -190,7 +207,11 @@ def step_thresholds(
     h, words = lax.cond(redo, exact, lambda h=h, words=words: (h, words))
     thresholds.append(h)
     packed.append(words)
-  return thresholds, (packed if select.refresh_below is not None else None)
+    exact_leaves = exact_leaves + redo.astype(jnp.int32)
+  if select.refresh_below is None:
+    # Packed masks only exist for some leaves: the selection packs them all.
+    return thresholds, None, exact_leaves
+  return thresholds, packed, exact_leaves
 
 
 def sparse_exchange(
@@ -239,14 +260,14 @@ def sparse_exchange(
       for leaf in leaves:
         leaf_size = layout.sizes[leaf]
         if select.kind == "threshold":
-          capacity = select.leaf_capacity(leaf_size)
+          capacity = select.leaf_capacity(layout, leaf)
           if packed is not None:
             local, leaf_passed = selection.indices_from_words(packed[leaf], leaf_size, capacity)
           else:
             local, leaf_passed = selection.threshold_indices(
                 accumulated[leaf], thresholds[leaf], capacity)
         else:
-          local = selection.topk_indices(accumulated[leaf], select.leaf_k(leaf_size))
+          local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
           leaf_passed = jnp.asarray(local.shape[0], jnp.int32)
         parts.append(jnp.where(local < leaf_size, local + offset, size))
         group_passed = group_passed + leaf_passed

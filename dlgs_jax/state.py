@@ -16,6 +16,7 @@ class CommStats(NamedTuple):
   selected: jax.Array        # int32[num_groups]: values this worker sent per group
   passed: jax.Array          # int32[num_groups]: values that met the selection rule (> selected when a buffer overflowed)
   skipped: jax.Array         # int32[]: steps skipped so far because a gradient was not finite
+  exact: jax.Array           # int32[]: leaves whose threshold was computed exactly this step (DLGS; 0 for the others)
 
 
 class DLGSState(NamedTuple):
@@ -46,6 +47,7 @@ def empty_stats(num_groups: int) -> CommStats:
       selected=jnp.zeros((num_groups,), jnp.int32),
       passed=jnp.zeros((num_groups,), jnp.int32),
       skipped=jnp.zeros((), jnp.int32),
+      exact=jnp.zeros((), jnp.int32),
   )
 
 
@@ -77,6 +79,7 @@ def stats_summary(stats: CommStats) -> dict[str, float]:
       "selected": float(np.mean(np.asarray(stats.selected).sum(axis=-1))),
       "passed": float(np.mean(np.asarray(stats.passed).sum(axis=-1))),
       "skipped": float(np.max(np.asarray(stats.skipped))),
+      "exact": float(np.mean(np.asarray(stats.exact))),
   }
 
 

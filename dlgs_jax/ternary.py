@@ -119,7 +119,8 @@ def terngrad(
         selected.append(jnp.asarray(flat.shape[0], jnp.int32))
         passed.append(jnp.sum(flat != 0, dtype=jnp.int32))
       sent = jnp.asarray(sent_bytes, jnp.float32)
-      stats = CommStats(sent, sent, jnp.stack(selected), jnp.stack(passed), state.stats.skipped)
+      stats = CommStats(sent, sent, jnp.stack(selected), jnp.stack(passed), state.stats.skipped,
+                        jnp.zeros((), jnp.int32))
       return _as_varying((means, stats, state.count + 1), axis_name)
 
     def skip(_):

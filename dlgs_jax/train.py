@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--refresh-below", default="0.5",
       help="DLGS: recompute a reused threshold early when it passes fewer than this fraction "
            "of k (or overflows the buffer); 'none': the paper's fixed schedule")
+  add("--min-ndim", type=int, default=0,
+      help="lags/dlgs: leaves with fewer dimensions (biases, BatchNorm) are sent whole; "
+           "0: every leaf is sparsified (the paper)")
   add("--collective", default="allgather", help="lags/dlgs collective: allgather or gtopk")
   add("--dgc-warmup-epochs", type=float, default=4.0,
       help="DGC: epochs of exponential density warm-up from 0.25 (capped at a quarter of the run)")
@@ -144,6 +147,10 @@ def check_args(args: argparse.Namespace) -> None:
     bad("--dgc-warmup-epochs", args.dgc_warmup_epochs, "must be >= 0")
   if args.terngrad_clip < 0:
     bad("--terngrad-clip", args.terngrad_clip, "must be >= 0")
+  if args.min_ndim < 0:
+    bad("--min-ndim", args.min_ndim, "must be >= 0")
+  if args.min_ndim and args.method not in ("lags", "dlgs"):
+    bad("--min-ndim", args.min_ndim, f"applies to lags and dlgs, not {args.method}")
   if args.refresh_below != "none":
     try:
       refresh = float(args.refresh_below)
@@ -197,12 +204,12 @@ def build_optimizer(args, axis: str, schedule, groups, order, *, warmup_steps: i
     compressor = dlgs_jax.gtopk(args.density, axis_name=axis)
   elif args.method == "lags":
     compressor = dlgs_jax.lags(args.density, axis_name=axis, groups=groups, order=order,
-                               collective=args.collective)
+                               collective=args.collective, min_ndim=args.min_ndim)
   else:
     refresh = None if args.refresh_below == "none" else float(args.refresh_below)
     compressor = dlgs_jax.dlgs(args.density, axis_name=axis, reuse_every=args.reuse_every,
                                groups=groups, order=order, collective=args.collective,
-                               refresh_below=refresh)
+                               refresh_below=refresh, min_ndim=args.min_ndim)
   return optax.chain(
       compressor,
       optax.add_decayed_weights(args.weight_decay),
@@ -469,7 +476,7 @@ def train(args) -> int:
     record = {"step": done_step, "epoch": epoch, "loss": loss, "accuracy": accuracy,
               "lr": float(schedule(done_step - 1)), "step_time": step_time,
               "images_per_s": workers * args.batch_size / step_time}
-    for key in ("bytes_sent", "selected", "skipped"):
+    for key in ("bytes_sent", "selected", "skipped", "exact"):
       if key in metrics:
         record[key] = float(metrics[key])
     metrics_log.write(record)

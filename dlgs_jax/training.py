@@ -76,7 +76,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     A jitted function. `images` (uint8) and `labels` are per-worker arrays of
     shape ``(workers, batch, ...)``; metrics are replicated scalars: loss,
     accuracy and, when the optimizer holds `CommStats`, the mean bytes sent and
-    values selected per worker this step and the count of skipped steps. The
+    values selected per worker this step, the count of skipped steps and the
+    leaves whose threshold was computed exactly this step (DLGS). The
     state argument is donated.
   """
   axis = mesh.axis_names[0]
@@ -105,7 +106,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
       # Per-worker numbers; their mean is logged (selections differ per worker).
       metrics.update(bytes_sent=stats.bytes_sent.astype(jnp.float32),
                      selected=jnp.sum(stats.selected).astype(jnp.float32),
-                     skipped=stats.skipped.astype(jnp.float32))
+                     skipped=stats.skipped.astype(jnp.float32),
+                     exact=stats.exact.astype(jnp.float32))
     # Running BatchNorm statistics are averaged so every worker keeps the same,
     # together with the metrics in one all-reduce (each collective pays the
     # network latency once).

@@ -69,6 +69,12 @@ def _check_groups(groups, order):
   return groups, order
 
 
+def _check_min_ndim(min_ndim) -> int:
+  if isinstance(min_ndim, bool) or not isinstance(min_ndim, numbers.Integral) or min_ndim < 0:
+    raise ValueError(f"min_ndim must be an integer >= 0, got {min_ndim!r}")
+  return int(min_ndim)
+
+
 def _all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
   bad = sum(jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in leaves)
   if axis_name is not None:
@@ -138,14 +144,14 @@ def _sparse_transform(
                       if with_thresholds else None)
 
     def communicate(_):
-      thresholds, packed = old_thresholds, None
+      thresholds, packed, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
       if with_thresholds:
-        thresholds, packed = engine.step_thresholds(
+        thresholds, packed, exact = engine.step_thresholds(
             select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
       means, residuals, selected, passed, sent, received = engine.sparse_exchange(
           layout, select, collective, accumulated, thresholds, axis_name=axis_name,
           packed=packed)
-      stats = CommStats(sent, received, selected, passed, state.stats.skipped)
+      stats = CommStats(sent, received, selected, passed, state.stats.skipped, exact)
       return _as_varying((means, residuals, thresholds, stats, state.count + 1), axis_name)
 
     def skip(_):
@@ -178,6 +184,7 @@ def dlgs(
     collective: str = "allgather",
     capacity_factor: float = 1.0,
     refresh_below: Optional[float] = 0.5,
+    min_ndim: int = 0,
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformation:
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
@@ -221,6 +228,9 @@ def dlgs(
     refresh_below: recompute a reused threshold early when it passes fewer
       than this fraction of k_l (in [0, 1]; 0: only on buffer overflow), or
       more than the buffer holds; ``None``: never early (the paper).
+    min_ndim: leaves with fewer dimensions are sent whole (every nonzero
+      value, in the same message), as DGC does for biases and normalisation
+      parameters; 0 (the paper): every leaf is sparsified.
     skip_nonfinite: skip steps with non-finite gradients (module docstring).
 
   Returns:
@@ -244,7 +254,8 @@ def dlgs(
   groups, order = _check_groups(groups, order)
   return _sparse_transform(
       engine.Selection("threshold", density, float(capacity_factor),
-                       None if refresh_below is None else float(refresh_below)),
+                       None if refresh_below is None else float(refresh_below),
+                       _check_min_ndim(min_ndim)),
       _check_collective(collective), axis_name=axis_name, groups=groups,
       order=order, single_group=False, reuse_every=int(reuse_every),
       skip_nonfinite=skip_nonfinite)
@@ -257,6 +268,7 @@ def lags(
     groups=None,
     order: Optional[Sequence[str]] = None,
     collective: str = "allgather",
+    min_ndim: int = 0,
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformation:
   """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
@@ -267,7 +279,8 @@ def lags(
   density = _check_density(density)
   groups, order = _check_groups(groups, order)
   return _sparse_transform(
-      engine.Selection("layer_topk", density), _check_collective(collective),
+      engine.Selection("layer_topk", density, min_ndim=_check_min_ndim(min_ndim)),
+      _check_collective(collective),
       axis_name=axis_name, groups=groups, order=order, single_group=False,
       reuse_every=None, skip_nonfinite=skip_nonfinite)
 
@@ -333,7 +346,8 @@ def dense(
     def communicate(_):
       means, sent, received = engine.dense_exchange(layout, grads, axis_name=axis_name)
       sizes = jnp.asarray([layout.group_size(g) for g in range(num_groups)], jnp.int32)
-      stats = CommStats(sent, received, sizes, sizes, state.stats.skipped)
+      stats = CommStats(sent, received, sizes, sizes, state.stats.skipped,
+                        jnp.zeros((), jnp.int32))
       return _as_varying((means, stats, state.count + 1), axis_name)
 
     def skip(_):

@@ -31,15 +31,20 @@ from dlgs_jax.train import DENSITY_FREE, configurations
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # Named variants: (dlgs-train method, extra flags).
-VARIANTS = {"dlgs-paper": ("dlgs", ["--refresh-below", "none"])}
+VARIANTS = {"dlgs-paper": ("dlgs", ["--refresh-below", "none"]),
+            # Biases and BatchNorm parameters sent whole (DGC's choice).
+            "dlgs-whole1d": ("dlgs", ["--min-ndim", "2"]),
+            "lags-whole1d": ("lags", ["--min-ndim", "2"])}
 
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="resnet20")
-  parser.add_argument("--methods", default="dense,topk,lags,gtopk,dlgs,dlgs-paper",
-                      help="dlgs-train methods, or dlgs-paper: DLGS with the paper's fixed "
-                      "threshold schedule (--refresh-below none)")
+  parser.add_argument("--methods", default="dense,topk,lags,gtopk,dlgs,dlgs-paper,"
+                      "dlgs-whole1d,lags-whole1d",
+                      help="dlgs-train methods, or a variant: dlgs-paper (the paper's fixed "
+                      "threshold schedule, --refresh-below none), dlgs-whole1d / lags-whole1d "
+                      "(biases and BatchNorm parameters sent whole, --min-ndim 2)")
   parser.add_argument("--densities", default="0.1,0.01")
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--epochs", type=int, default=20)

@@ -32,15 +32,20 @@ from pathlib import Path
 from dlgs_jax.train import DENSITY_FREE, configurations
 
 HERE = Path(__file__).resolve().parent
-PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs")
-GROUPING = {"dense": "optimal", "dlgs": "optimal", "lags": "wfbp", "topk": "single",
+# Named variants: (benchmark method, extra benchmark flags).
+VARIANTS = {"dlgs-paper": ("dlgs", ["--refresh-below", "none"])}
+PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs", "dlgs-paper")
+GROUPING = {"dense": "optimal", "dlgs": "optimal", "dlgs-paper": "optimal", "lags": "wfbp",
+            "topk": "single",
             "gtopk": "single"}
 
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="resnet20,vgg16")
-  parser.add_argument("--methods", default="dense,topk,lags,gtopk,dlgs,dgc,terngrad")
+  parser.add_argument("--methods", default="dense,topk,lags,gtopk,dlgs,dlgs-paper,dgc,terngrad",
+                      help="benchmark methods, or dlgs-paper: DLGS with the paper's fixed "
+                      "threshold schedule (--refresh-below none)")
   parser.add_argument("--densities", default="0.01")
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--bandwidth", default="1gbit")
@@ -108,20 +113,22 @@ def main(argv=None) -> int:
           result_path = out / f"run_{model}_{method}_{density:g}.json"
           plan_path = out / f"plan_{model}_{method}_{density:g}.json"
           plan_args, predicted = [], None
+          base, extra = VARIANTS.get(method, (method, []))
           if method in PREDICTABLE:
-            costs = MethodCosts(method, 1.0 if method == "dense" else density,
+            costs = MethodCosts(base, 1.0 if method == "dense" else density,
                                 fixed_collectives=2)
             grouping = GROUPING[method]
-            if method in ("dense", "dlgs") and args.predict_only:
+            planned = base in ("dense", "dlgs")
+            if planned and args.predict_only:
               # Predict the grouping that was measured, not a new plan.
               index = {path: i for i, path in enumerate(profile.paths)}
               groups = [[index[q] for q in g] for g in planner.Plan.load(plan_path).groups]
             else:
               groups = planner.PLANNER_FUNCTIONS[grouping](profile, costs)
             predicted = simulate(profile, groups, costs).breakdown()
-            if method in ("dense", "dlgs"):
+            if planned:
               if not args.predict_only:
-                planner.make_plan(profile, method, costs.density, grouping).save(plan_path)
+                planner.make_plan(profile, base, costs.density, grouping).save(plan_path)
               plan_args = ["--plan", str(plan_path)]
           if args.predict_only:
             if not result_path.exists():
@@ -130,11 +137,11 @@ def main(argv=None) -> int:
             result.setdefault("command", command)
           else:
             print(f"== {model} {method} density {density:g}", flush=True)
-            bench(["--method", method, "--density", str(density), "--steps", str(args.steps),
+            bench(["--method", base, *extra, "--density", str(density), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--out", str(result_path), *plan_args])
             result = json.loads(result_path.read_text())
-            result.update(command=command, bandwidth=args.bandwidth, steps=args.steps,
-                          warmup=args.warmup)
+            result.update(method=method, command=command, bandwidth=args.bandwidth,
+                          steps=args.steps, warmup=args.warmup)
           result.update(predicted=predicted, profile=profile_path.name)
           # The run file keeps everything, so --predict-only can rebuild the entry.
           result_path.write_text(json.dumps(result, indent=1))
@@ -185,21 +192,24 @@ def merge(path: Path, new, args):
 
 def markdown(results) -> str:
   lines = ["| model | input | method | density | groups | steps | step ms | compute | sparsify "
-           "| comm exposed | comm alone | MB sent/worker | speedup vs dense | predicted ms "
-           "| pred. error |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| comm exposed | comm alone | MB sent/worker | exact thr. | speedup vs dense "
+           "| predicted ms | pred. error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     b, pred = r["breakdown"], r["predicted"]
     error = (f"{(pred['t_iter'] / r['median']['step'] - 1) * 100:+.0f}%" if pred else "")
     density = "-" if r["method"] in DENSITY_FREE else f"{r['density']:g}"
     speedup = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else ""
     shape = "x".join(str(n) for n in r["image_shape"][:2])
+    # DLGS: share of leaf thresholds computed exactly per step (schedule + refresh rule).
+    exact = (f"{100 * r['exact_leaves'] / r['leaves']:.0f}%"
+             if r["method"].startswith("dlgs") and r.get("exact_leaves") is not None else "")
     lines.append(
         f"| {r['model']} | {shape}, b{r['batch_size']} | {r['method']} | {density} | "
         f"{r['plan_groups'] or ''} | {r['steps']} | "
         f"{r['median']['step'] * 1e3:.1f} | {b['compute'] * 1e3:.1f} | {b['sparsify'] * 1e3:.1f} | "
         f"{b['comm_exposed'] * 1e3:.1f} | {b['comm_alone'] * 1e3:.1f} | "
-        f"{r['bytes_sent'] / 1e6:.2f} | {speedup} | "
+        f"{r['bytes_sent'] / 1e6:.2f} | {exact} | {speedup} | "
         + (f"{pred['t_iter'] * 1e3:.1f} | {error} |" if pred else " | |"))
   return "\n".join(lines)
 

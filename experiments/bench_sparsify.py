@@ -41,12 +41,12 @@ def make_selectors(params, density, reuse_every):
   layout = engine.make_layout(params, None, None)
   sizes = layout.sizes
   select = engine.Selection("threshold", density, refresh_below=0.5)
-  ks = [select.leaf_k(n) for n in sizes]
-  caps = [select.leaf_capacity(n) for n in sizes]
+  ks = [select.leaf_k(layout, leaf) for leaf in range(len(sizes))]
+  caps = [select.leaf_capacity(layout, leaf) for leaf in range(len(sizes))]
 
   @jax.jit
   def dlgs_step(leaves, thresholds, count):
-    thresholds, packed = engine.step_thresholds(
+    thresholds, packed, _ = engine.step_thresholds(
         select, layout, leaves, thresholds, count % reuse_every == 0)
     picked = [selection.indices_from_words(w, n, c)[0]
               for w, n, c in zip(packed, sizes, caps)]

@@ -55,3 +55,12 @@ def test_benchmark_on_two_processes_writes_a_consistent_breakdown(tmp_path):
   assert parts["comm_exposed"] == pytest.approx(max(med["step"] - med["compress"], 0.0))
   assert parts["overlap"] == pytest.approx(parts["comm_alone"] - parts["comm_exposed"])
   assert result["bytes_sent"] > 0 and 0 < result["selected"]
+  # Step 0 of DLGS computes every threshold; the mean over timed steps is a fraction of that.
+  assert 0 <= result["exact_leaves"] <= result["leaves"] == 16
+
+
+def test_benchmark_checks_training_flags_it_passes_on():
+  done = subprocess.run([sys.executable, "-m", "dlgs_jax.benchmark", "--model", "smallcnn",
+                         "--refresh-below", "bogus", "--steps", "1"],
+                        env=child_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode != 0 and "--refresh-below 'bogus' is invalid" in done.stderr

@@ -48,11 +48,13 @@ def test_bench_cluster_merge_replaces_remeasured_configurations_and_keeps_the_re
     bench.merge(path, new, argparse.Namespace(workers=4, bandwidth="100mbit"))
   for r in merged:
     r["speedup_vs_dense"] = 1.0 if r["method"] == "dense" else 2.0
+  merged[1].update(exact_leaves=2.0, leaves=8)  # resnet20 dlgs 0.1
   table = bench.markdown(merged).splitlines()
   assert len(table) == 2 + len(merged)
   assert "| resnet20 | 32x32, b8 | dense | - |" in table[2]
   assert "| 0.07 |" not in table[3] and "| dlgs | 0.1 |" in table[3]
-  assert table[3].endswith("| 77.0 | +10% |")
+  assert table[3].endswith("| 1.00 | 25% | 2.00x | 77.0 | +10% |")
+  assert "| 1.00 |  | 2.00x |" in table[4]  # no count recorded: empty cell
 
 
 def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):

@@ -156,6 +156,8 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--lr", "-1"], "--lr -1.0 is invalid"),
     (["--refresh-below", "1.5"], "--refresh-below '1.5' is invalid"),
     (["--refresh-below", "half"], "--refresh-below 'half' is invalid"),
+    (["--min-ndim", "-1"], "--min-ndim -1 is invalid"),
+    (["--method", "topk", "--min-ndim", "2"], "applies to lags and dlgs, not topk"),
     (["--lr-decay-epochs", "a,b"], "--lr-decay-epochs 'a,b' is invalid"),
 ])
 def test_bad_flags_are_named(flags, message):

@@ -136,6 +136,8 @@ def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
       assert previous is None or any(
           not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(thresholds),
                                                    jax.tree_util.tree_leaves(previous)))
+    leaves = len(jax.tree_util.tree_leaves(PARAMS))
+    np.testing.assert_array_equal(state.stats.exact, leaves if step % reuse == 0 else 0)
     previous = thresholds
     residual = state.residuals
   assert states[-1].count[0] == len(steps)
@@ -172,6 +174,7 @@ def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band()
   for step, (grads, state) in enumerate(zip(steps, states)):
     accumulated = [r + g for r, g in zip(residual, jax.tree_util.tree_leaves(grads))]
     thresholds = jax.tree_util.tree_leaves(state.thresholds)
+    recomputed = np.zeros(W, int)
     for leaf, (acc, thr) in enumerate(zip(accumulated, thresholds)):
       for w in range(W):
         values = np.abs(acc[w]).ravel()
@@ -179,6 +182,7 @@ def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band()
         exact = np.sort(values)[::-1][k - 1]
         if step == 0:
           assert thr[w] == exact
+          recomputed[w] += 1
           continue
         old = previous[leaf][w]
         count = int(np.sum((values >= old) & (values > 0)))
@@ -188,6 +192,9 @@ def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band()
         else:
           assert thr[w] == exact, (step, leaf, w, count, k)
           outcomes.add("too few" if count < k else "too many")
+          recomputed[w] += 1
+    # The state counts the leaves whose threshold was computed exactly.
+    np.testing.assert_array_equal(state.stats.exact, recomputed)
     previous = thresholds
     residual = jax.tree_util.tree_leaves(state.residuals)
   assert outcomes == {"reused", "too few", "too many"}
@@ -236,6 +243,53 @@ def test_lags_matches_numpy_reference_over_steps():
   for grads, update, state in zip(steps, updates, states):
     mean, new_res = numpy_allgather_sparse_step(
         grads, residual, 0.2, lambda n: max(1, int(np.ceil(0.2 * n))))
+    np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
+    residual = state.residuals
+
+
+@pytest.mark.parametrize("make", [
+    lambda: dlgs_jax.lags(0.2, axis_name="data", min_ndim=2),
+    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1, min_ndim=2),
+    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, min_ndim=2, order=ORDER,
+                          groups=[ORDER[:2], ORDER[2:]]),
+])
+def test_min_ndim_sends_small_leaves_whole(make):
+  rng = np.random.default_rng(16)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
+  updates, _, states = run_steps(make(), PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  for grads, update, state in zip(steps, updates, states):
+    # Biases: the exact mean over workers, nothing left behind.
+    for name in ("conv", "dense"):
+      want = (np.asarray(grads[name]["bias"]) + np.asarray(residual[name]["bias"])).mean(0)
+      np.testing.assert_allclose(np.asarray(update[name]["bias"])[0], want, rtol=1e-5, atol=1e-6)
+      assert not np.any(np.asarray(state.residuals[name]["bias"]))
+    # Kernels: still sparse, and nothing lost overall.
+    kernel = np.asarray(update["conv"]["kernel"])[0]
+    assert 0 < np.count_nonzero(kernel) <= W * int(np.ceil(0.2 * kernel.size))
+    np.testing.assert_allclose(
+        W * flat_workers(update)[0] + flat_workers(state.residuals).sum(0),
+        (flat_workers(grads) + flat_workers(residual)).sum(0), rtol=1e-5, atol=1e-5)
+    residual = state.residuals
+  # k of every bias is its size: the message carries them whole.
+  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
+  whole = [s if x.ndim < 2 else int(np.ceil(0.2 * s))
+           for s, x in zip(sizes, jax.tree_util.tree_leaves(PARAMS))]
+  assert int(states[0].stats.selected[0].sum()) == sum(whole)
+
+
+def test_lags_min_ndim_matches_numpy_reference():
+  tx = dlgs_jax.lags(0.2, axis_name="data", min_ndim=2)
+  rng = np.random.default_rng(17)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(2)]
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  vector_sizes = {x.size for x in jax.tree_util.tree_leaves(PARAMS) if x.ndim == 1}
+  for grads, update, state in zip(steps, updates, states):
+    mean, new_res = numpy_allgather_sparse_step(
+        grads, residual, 0.2,
+        lambda n: n if n in vector_sizes else max(1, int(np.ceil(0.2 * n))))
     np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
     residual = state.residuals
@@ -351,6 +405,8 @@ def test_composes_with_optax_and_trains(make):
     ({"density": 0.1, "refresh_below": 1.5}, "refresh_below"),
     ({"density": 0.1, "refresh_below": -0.1}, "refresh_below"),
     ({"density": 0.1, "refresh_below": True}, "refresh_below"),
+    ({"density": 0.1, "min_ndim": -1}, "min_ndim"),
+    ({"density": 0.1, "min_ndim": 1.5}, "min_ndim"),
     ({"density": 0.1, "groups": "dense/bias"}, "dense/bias"),
 ])
 def test_bad_arguments_raise(kwargs, match):
