@@ -159,7 +159,7 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
 def step_thresholds(
     select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
     previous: Sequence[jax.Array], recompute: jax.Array,
-) -> tuple[list[jax.Array], Optional[list[jax.Array]], jax.Array]:
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
   """H_l per leaf: the exact k_l-th largest |g_l| when `recompute`, else `previous`.
 
   With ``select.refresh_below`` set, a leaf whose reused threshold would pass
@@ -176,10 +176,9 @@ def step_thresholds(
   the reuse step it guards.
 
   Returns:
-    ``(thresholds, packed, exact)``: float32 scalars per leaf; with the refresh
-    rule the packed mask of each leaf's final threshold (for
-    `sparse_exchange`), else None; and the int32 number of leaves whose
-    threshold was computed exactly this step.
+    ``(thresholds, packed, exact)``: float32 scalars per leaf; the packed
+    passing mask of each leaf's final threshold (for `sparse_exchange`); and
+    the int32 number of leaves whose threshold was computed exactly this step.
   """
   thresholds, packed = [], []
   exact_leaves = jnp.zeros((), jnp.int32)
@@ -191,8 +190,9 @@ def step_thresholds(
       packed.append(selection.pack_passing(g, thresholds[-1]))
       continue
     if select.refresh_below is None:
-      thresholds.append(lax.cond(
-          recompute, lambda g=g, k=k: selection.kth_largest_abs(g, k), lambda h=h: h))
+      h = lax.cond(recompute, lambda g=g, k=k: selection.kth_largest_abs(g, k), lambda h=h: h)
+      thresholds.append(h)
+      packed.append(selection.pack_passing(g, h))
       exact_leaves = exact_leaves + recompute.astype(jnp.int32)
       continue
     words = selection.pack_passing(g, h)
@@ -208,9 +208,6 @@ def step_thresholds(
     thresholds.append(h)
     packed.append(words)
     exact_leaves = exact_leaves + redo.astype(jnp.int32)
-  if select.refresh_below is None:
-    # Packed masks only exist for some leaves: the selection packs them all.
-    return thresholds, None, exact_leaves
   return thresholds, packed, exact_leaves
 
 

@@ -37,7 +37,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax import collectives, grouping, parallel, selection, wire
-from dlgs_jax.timeline import LinearCost, Profile
+from dlgs_jax.timeline import METHODS, LinearCost, Profile
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
@@ -183,7 +183,8 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
 
 # ----------------------------------------------------------------- update ---
 
-UPDATE_METHODS = ("dense", "topk", "lags", "gtopk", "dlgs")
+# Every method the timeline model knows.
+UPDATE_METHODS = METHODS
 
 
 def training_optimizer(method: str, density: float, *, reuse_every: int = 10
