@@ -44,6 +44,8 @@ def parse_args(argv=None):
   parser.add_argument("--reuse-every", type=int, default=10)
   parser.add_argument("--refresh-below", default="0.5",
                       help="DLGS refresh rule, as in dlgs-train ('none': the paper's schedule)")
+  parser.add_argument("--min-ndim", type=int, default=0,
+                      help="DLGS/LAGS: leaves with fewer dimensions sent whole, as in dlgs-train")
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--image-size", type=int)
   parser.add_argument("--plan", help="plan JSON giving the method's groups")
@@ -54,33 +56,6 @@ def parse_args(argv=None):
   parser.add_argument("--out", help="JSON result (written by process 0)")
   parser.add_argument("--profile-out", help="measure a planner profile instead, write it here")
   return parser.parse_args(argv)
-
-
-def benchmark_batches(shape, num_classes: int, batches: int, workers: int, batch_size: int,
-                      *, first_worker: int = 0):
-  """Distinct batches per worker: uint8 images [batches, workers, batch_size, *shape], labels.
-
-  Real CIFAR-10 images from the embedded subset when `shape` is (32, 32, 3)
-  (each worker its own slice, as a data-parallel loader gives), random images
-  and labels otherwise.
-  """
-  import numpy as np
-  from dlgs_jax import data
-
-  count = batches * workers * batch_size
-  if tuple(shape) == (32, 32, 3):
-    train, _ = data.load_embedded_cifar10()
-    start = first_worker * batches * batch_size
-    pick = (start + np.arange(count)) % train.images.shape[0]
-    images, labels = train.images[pick], train.labels[pick] % num_classes
-  else:
-    rng = np.random.default_rng(first_worker)
-    images = rng.integers(0, 256, (count,) + tuple(shape), dtype=np.uint8)
-    labels = rng.integers(0, num_classes, count).astype(np.int32)
-  order = (workers, batches, batch_size)
-  images = images.reshape(order + tuple(shape)).swapaxes(0, 1)
-  labels = labels.reshape(order).swapaxes(0, 1).astype(np.int32)
-  return images, labels
 
 
 def main(argv=None) -> int:
@@ -100,16 +75,31 @@ def main(argv=None) -> int:
   import dlgs_jax
   from dlgs_jax import data, grouping, models, parallel, planner, profiler, train, training
 
+  settings = train.parse_args(["--method", args.method, "--density", str(args.density),
+                               "--reuse-every", str(args.reuse_every),
+                               "--refresh-below", args.refresh_below,
+                               "--min-ndim", str(args.min_ndim)])
+  train.check_args(settings)
   mesh = parallel.data_mesh()
   workers = int(mesh.devices.size)
   leader = jax.process_index() == 0
+  model, shape = models.create_model(args.model)
+  if args.image_size:
+    shape = (args.image_size, args.image_size, shape[2])
+  local = parallel.local_worker_count(mesh)
+  images, labels = data.benchmark_batches(shape, model.num_classes, args.batches, local,
+                                          args.batch_size, first_worker=jax.process_index() * local)
   if args.profile_out:
     # In lockstep, as the timed runs are: processes sharing a core share it.
     barrier = ((lambda: multihost_utils.sync_global_devices("profile"))
                if jax.process_count() > 1 else None)
+    # The refresh rate is measured on the batches the timed runs take (this
+    # process's first worker's).
     profile, details = profiler.profile_model(
         args.model, density=args.density, batch_size=args.batch_size,
-        image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every, barrier=barrier)
+        image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every, barrier=barrier,
+        refresh_below=train.refresh_below(settings),
+        batches=(images[:, 0], labels[:, 0]))
     if leader:
       profile.save(args.profile_out)
       with open(args.profile_out + ".details.json", "w") as f:
@@ -117,16 +107,6 @@ def main(argv=None) -> int:
       print(f"profile written to {args.profile_out}: {profile.source}", flush=True)
     return 0
 
-  model, shape = models.create_model(args.model)
-  if args.image_size:
-    shape = (args.image_size, args.image_size, shape[2])
-  local = parallel.local_worker_count(mesh)
-  images, labels = benchmark_batches(shape, model.num_classes, args.batches, local,
-                                     args.batch_size, first_worker=jax.process_index() * local)
-  settings = train.parse_args(["--method", args.method, "--density", str(args.density),
-                               "--reuse-every", str(args.reuse_every),
-                               "--refresh-below", args.refresh_below])
-  train.check_args(settings)
   sample = np.zeros((1,) + shape, np.uint8)
   variables = model.init(jax.random.key(0), sample.astype(np.float32), train=False)
   order = train.backward_order_of(model, variables["params"], variables.get("batch_stats", {}),

@@ -263,6 +263,30 @@ def synthetic(num_examples: int, image_shape: Sequence[int], num_classes: int,
   return Dataset(images, labels, num_classes)
 
 
+def benchmark_batches(shape, num_classes: int, batches: int, workers: int, batch_size: int,
+                      *, first_worker: int = 0):
+  """Distinct batches per worker: uint8 images [batches, workers, batch_size, *shape], labels.
+
+  Real CIFAR-10 images from the embedded subset when `shape` is (32, 32, 3)
+  (each worker its own slice, as a data-parallel loader gives), random images
+  and labels otherwise.
+  """
+  count = batches * workers * batch_size
+  if tuple(shape) == (32, 32, 3):
+    train, _ = load_embedded_cifar10()
+    start = first_worker * batches * batch_size
+    pick = (start + np.arange(count)) % train.images.shape[0]
+    images, labels = train.images[pick], train.labels[pick] % num_classes
+  else:
+    rng = np.random.default_rng(first_worker)
+    images = rng.integers(0, 256, (count,) + tuple(shape), dtype=np.uint8)
+    labels = rng.integers(0, num_classes, count).astype(np.int32)
+  order = (workers, batches, batch_size)
+  images = images.reshape(order + tuple(shape)).swapaxes(0, 1)
+  labels = labels.reshape(order).swapaxes(0, 1).astype(np.int32)
+  return images, labels
+
+
 def steps_per_epoch(num_examples: int, workers: int, batch_size: int) -> int:
   """Full global batches per epoch (the remainder is dropped)."""
   if workers < 1 or batch_size < 1:

@@ -189,8 +189,18 @@ class Plan:
       raise ValueError(f"plan was made for {self.workers} workers, this run has {workers}")
 
 
-def make_plan(profile: Profile, method: str, density: float, planner: str) -> Plan:
+def make_plan(profile: Profile, method: str, density: float, planner: str, *,
+              exact_fraction: Optional[float] = None) -> Plan:
   """Runs `planner` on `profile` for `method` and packages the result.
+
+  Args:
+    profile: the measured or modelled profile.
+    method: one of `timeline.METHODS`.
+    density: the method's density.
+    planner: one of `PLANNERS`.
+    exact_fraction: DLGS: share of thresholds computed exactly per step (see
+      `MethodCosts.exact_fraction`; pass ``profile.dlgs_exact_fraction`` when
+      the refresh rule is on); None: the fixed schedule's amortised cost.
 
   Raises:
     ValueError: for an unknown method or planner, or a bad density.
@@ -201,7 +211,7 @@ def make_plan(profile: Profile, method: str, density: float, planner: str) -> Pl
     raise ValueError(f"unknown planner {planner!r}; choose from {PLANNERS}")
   if not 0.0 < density <= 1.0:
     raise ValueError(f"density must be in (0, 1], got {density!r}")
-  costs = MethodCosts(method, density)
+  costs = MethodCosts(method, density, exact_fraction=exact_fraction)
   groups = PLANNER_FUNCTIONS[planner](profile, costs)
   timeline = simulate(profile, groups, costs)
   return Plan(

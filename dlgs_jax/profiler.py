@@ -9,10 +9,13 @@
 * Update: each method's whole local update as training runs it (selection,
   error-feedback bookkeeping -- residual add, gather, new residual -- and the
   optimizer after it), on one leaf of a range of sizes with ``axis_name=None``,
-  fitted as ``alpha + beta * elements``. DLGS is amortised over its reuse
-  period (one exact step, then reuse steps). Timing the selection alone
-  misses the bookkeeping, which on CPU costs more than the selection (ResNet-50
-  DLGS: 0.89 s measured against 0.18 s of selection).
+  fitted as ``alpha + beta * elements``. DLGS's exact and reuse steps are
+  fitted apart and also amortised over its reuse period. Timing the selection
+  alone misses the bookkeeping, which on CPU costs more than the selection
+  (ResNet-50 DLGS: 0.89 s measured against 0.18 s of selection).
+* Refresh rate: how often DLGS's refresh rule recomputes a reused threshold
+  depends on how gradients and residuals drift, so it is measured by training
+  one worker for a few steps on real batches (`measure_refresh`).
 * Communication: dense all-reduce, sparse all-gather and gTop-k timed on the
   current mesh over a range of message sizes and fitted as
   ``alpha + beta * bytes sent per worker``; or, to look past this machine,
@@ -37,7 +40,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax import collectives, grouping, parallel, selection, wire
-from dlgs_jax.timeline import METHODS, LinearCost, Profile
+from dlgs_jax.timeline import MODELLED, LinearCost, Profile
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
@@ -139,8 +142,9 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
 
   Returns:
     dict with ``order`` (leaf paths), ``sizes``, ``t_forward``, ``t_backward``
-    (scaled to the measured total), ``backward_measured``, ``backward_sum_alone``
-    and ``backward_difference`` (relative: sum alone / measured - 1).
+    (scaled to the measured total; unscaled if that timed <= 0),
+    ``backward_measured``, ``backward_sum_alone`` and ``backward_difference``
+    (relative: sum alone / measured - 1).
   """
   params = variables["params"]
   others = {k: v for k, v in variables.items() if k != "params"}
@@ -169,7 +173,9 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
     if members:
       raw[members[0]] += t  # the module's leaves become ready together
   total_alone = sum(raw.values())
-  scale = t_backward_total / total_alone if total_alone > 0 else 0.0
+  # On a busy machine forward+backward can time below the forward alone; the
+  # layers timed alone are then the better estimate.
+  scale = t_backward_total / total_alone if total_alone > 0 and t_backward_total > 0 else 1.0
   return {
       "order": order,
       "sizes": [sizes[p] for p in order],
@@ -183,8 +189,8 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
 
 # ----------------------------------------------------------------- update ---
 
-# Every method the timeline model knows.
-UPDATE_METHODS = METHODS
+# Every method the timeline model predicts.
+UPDATE_METHODS = MODELLED
 
 
 def training_optimizer(method: str, density: float, *, reuse_every: int = 10
@@ -216,7 +222,8 @@ def measure_update(sizes: Sequence[int], density: float, *,
     density: the methods' density.
     methods: the methods to time.
     reuse_every: DLGS reuse period: its cost is ``(exact + (s - 1) * reuse) / s``
-      with the exact and the reuse step timed separately.
+      with the exact and the reuse step timed separately; both are also
+      returned alone, as "dlgs_exact" and "dlgs_reuse".
     repeats: timed repetitions per point.
     barrier: see `median_seconds`.
 
@@ -224,13 +231,15 @@ def measure_update(sizes: Sequence[int], density: float, *,
     (cost per method, the raw measurements).
   """
   rng = np.random.default_rng(0)
-  raw: dict[str, list] = {"sizes": [int(s) for s in sizes], **{m: [] for m in methods}}
+  keys = [m for m in methods] + (["dlgs_exact", "dlgs_reuse"] if "dlgs" in methods else [])
+  raw: dict[str, list] = {"sizes": [int(s) for s in sizes], **{m: [] for m in keys}}
   for method in methods:
     tx = training_optimizer(method, density, reuse_every=reuse_every)
     update = jax.jit(tx.update)
     for size in sizes:
-      params = {"x": jnp.zeros(size, jnp.float32)}
-      grads = {"x": jnp.asarray(rng.standard_normal(size).astype(np.float32))}
+      # Two dimensions, so DGC sparsifies the message (it sends 1-D leaves whole).
+      params = {"x": jnp.zeros((1, size), jnp.float32)}
+      grads = {"x": jnp.asarray(rng.standard_normal((1, size)).astype(np.float32))}
       first = tx.init(params)
       # After one step the state is mid-period: a DLGS reuse step. Without
       # its residual the reused threshold passes exactly k values of the same
@@ -239,9 +248,76 @@ def measure_update(sizes: Sequence[int], density: float, *,
       t_later = median_seconds(lambda: update(grads, later, params), repeats, barrier=barrier)
       if method == "dlgs":
         t_first = median_seconds(lambda: update(grads, first, params), repeats, barrier=barrier)
+        raw["dlgs_exact"].append(t_first)
+        raw["dlgs_reuse"].append(t_later)
         t_later = (t_first + (reuse_every - 1) * t_later) / reuse_every
       raw[method].append(t_later)
-  return {m: fit_linear(raw["sizes"], raw[m]) for m in methods}, raw
+  return {m: fit_linear(raw["sizes"], raw[m]) for m in keys}, raw
+
+
+def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, labels: np.ndarray,
+                    density: float, *, reuse_every: int = 10, refresh_below: float = 0.5,
+                    steps: Optional[int] = None) -> float:
+  """Share of DLGS leaf thresholds computed exactly per step, over real training steps.
+
+  Trains one worker (``axis_name=None``) from `variables` with DLGS and
+  training's optimizer and learning rate (`train.build_optimizer`), batch i
+  being ``images[i % len(images)]``, and counts `CommStats.exact`. The refresh
+  rule recomputes a reused threshold when it passes too few or too many
+  values, which depends on how the gradients drift from step to step: only
+  real steps tell. Step 0 (every threshold is new) is not counted.
+
+  Args:
+    model: the Flax classifier.
+    variables: its initial variables ("params", maybe "batch_stats").
+    images: uint8 [batches, batch_size, H, W, C] (e.g. `data.benchmark_batches`
+      for one worker).
+    labels: int32 [batches, batch_size].
+    density: DLGS density.
+    reuse_every: the fixed schedule's period.
+    refresh_below: the refresh rule's fraction of k.
+    steps: training steps to run (default ``2 * reuse_every + 1``: two whole
+      periods are counted).
+
+  Returns:
+    The mean over steps 1.. of (leaves computed exactly) / (leaves).
+  """
+  from dlgs_jax import data, train, training
+  from dlgs_jax.state import CommStats
+
+  steps = 2 * reuse_every + 1 if steps is None else steps
+  if steps < 2:
+    raise ValueError(f"steps must be >= 2 (step 0 is not counted), got {steps!r}")
+  settings = train.parse_args(["--method", "dlgs", "--density", str(density),
+                               "--reuse-every", str(reuse_every),
+                               "--refresh-below", str(refresh_below)])
+  train.check_args(settings)
+  params = variables["params"]
+  paths = grouping.leaf_paths(params)
+  tx = train.build_optimizer(settings, None, settings.lr, None, paths)
+
+  @jax.jit
+  def step(params, batch_stats, opt_state, x, y):
+    def loss_fn(p):
+      logits, new = training.apply_for_training(model, p, batch_stats, data.normalize(x))
+      return training.cross_entropy(logits, y), new
+
+    grads, new = jax.grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    stats = [x for x in jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, CommStats)) if isinstance(x, CommStats)]
+    return (optax.apply_updates(params, updates), new.get("batch_stats", batch_stats),
+            opt_state, stats[0].exact)
+
+  batch_stats = variables.get("batch_stats", {})
+  opt_state = tx.init(params)
+  exact = []
+  for i in range(steps):
+    j = i % images.shape[0]
+    params, batch_stats, opt_state, count = step(params, batch_stats, opt_state,
+                                                 jnp.asarray(images[j]), jnp.asarray(labels[j]))
+    exact.append(int(count))
+  return float(np.mean(exact[1:])) / len(paths)
 
 
 def _without_residuals(opt_state):
@@ -340,6 +416,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
                   image_size: Optional[int] = None, mesh: Optional[Mesh] = None,
                   reuse_every: int = 10, repeats: int = 5, seed: int = 0,
                   methods: Sequence[str] = UPDATE_METHODS,
+                  refresh_below: Optional[float] = 0.5,
+                  batches: Optional[tuple[np.ndarray, np.ndarray]] = None,
                   barrier: Optional[Callable[[], Any]] = None,
                   progress: Callable[[str], None] = lambda message: None) -> tuple[Profile, dict]:
   """Measures a full profile of model `name` on this machine.
@@ -355,6 +433,12 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     repeats: timing repeats per measurement.
     seed: initialisation seed.
     methods: the methods whose update cost is measured.
+    refresh_below: DLGS's refresh rule; when "dlgs" is among `methods` and
+      this is not None, the share of thresholds it recomputes per step is
+      measured (`measure_refresh`) into ``profile.dlgs_exact_fraction``.
+    batches: (uint8 images [n, batch_size, H, W, C], labels [n, batch_size])
+      for the refresh measurement; default: one worker's
+      `data.benchmark_batches` (real CIFAR-10 images at 32x32x3).
     barrier: see `median_seconds`; pass one when several processes profile
       together.
     progress: called with a message before each phase.
@@ -363,7 +447,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     (profile, details) where details holds the raw measurements and the
     backward-time check.
   """
-  from dlgs_jax import models
+  from dlgs_jax import data, models
 
   model, shape = models.create_model(name)
   if image_size is not None:
@@ -387,6 +471,14 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     progress(f"timing collectives on {workers} workers")
     comm_grid = sorted({int(s) for s in np.geomspace(4096, max(total, 8192), 5)})
     comm, comm_raw = measure_comm(mesh, comm_grid, density, repeats=repeats)
+  fraction = None
+  if "dlgs" in methods and refresh_below is not None:
+    progress("measuring how often DLGS's refresh rule recomputes thresholds")
+    if batches is None:
+      batches = data.benchmark_batches(shape, model.num_classes, 2 * reuse_every, 1, batch_size)
+      batches = (batches[0][:, 0], batches[1][:, 0])
+    fraction = measure_refresh(model, variables, *batches, density, reuse_every=reuse_every,
+                               refresh_below=refresh_below)
   # Measured on the emulated cluster (experiments/README.md): XLA's CPU
   # collectives block the computation, so nothing overlaps there; GPU backends
   # run collectives asynchronously.
@@ -394,7 +486,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   profile = Profile(
       model=name, paths=compute["order"], sizes=compute["sizes"], overlap=overlap,
       t_forward=compute["t_forward"], t_backward=compute["t_backward"], workers=workers,
-      sparsify=sparsify, comm=comm,
+      sparsify=sparsify, comm=comm, dlgs_exact_fraction=fraction,
       source=(f"measured on {jax.default_backend()} ({workers} devices of "
               f"{jax.devices()[0].device_kind}), batch {batch_size} per worker, "
               f"input {shape}"))

@@ -16,11 +16,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Sequence
+from typing import Any, FrozenSet, Optional, Sequence
 
 from dlgs_jax import selection, wire
 
+# Methods the planner groups (`planner.make_plan`).
 METHODS = ("dense", "topk", "lags", "gtopk", "dlgs")
+# Methods whose iteration time the model predicts: the planned ones, and DGC
+# (one message per sparsified leaf, small leaves in one all-reduce) and
+# TernGrad (packed ternary all-gather per group), whose grouping is fixed.
+MODELLED = METHODS + ("dgc", "terngrad")
+# DGC's buffer per sparsified leaf is ceil(DGC_BAND_UPPER * k) pairs
+# (`deep_gradient_compression.dgc`'s default band).
+DGC_BAND_UPPER = 1.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +62,10 @@ class Profile:
     sparsify: local update cost per message as a function of its elements,
       one `LinearCost` per method: selection, error-feedback bookkeeping and
       the optimizer after it ("dlgs" amortised over its reuse period; "dense"
-      the optimizer alone); missing methods cost nothing.
+      the optimizer alone); missing methods cost nothing. DLGS's two kinds of
+      step may also be given apart, as "dlgs_exact" (every threshold computed
+      exactly) and "dlgs_reuse" (every threshold reused), for
+      `MethodCosts.exact_fraction`.
     comm: communication cost per collective as a function of the bytes each
       worker sends ("allreduce", "allgather", "gtopk").
     source: how the numbers were obtained (e.g. "measured on 8 CPU devices").
@@ -62,6 +73,11 @@ class Profile:
       continues (GPU with async collectives). False: collectives block the
       compute stream, as measured with XLA on CPU (experiments/README.md), so
       the iteration is the plain sum of all times.
+    dlgs_exact_fraction: measured share of DLGS leaf thresholds computed
+      exactly per step with the refresh rule on (`profiler.measure_refresh`),
+      or None when not measured. The fixed schedule alone gives
+      ``1 / reuse_every``; the refresh rule recomputes stale thresholds early,
+      measured at 57-84% on ResNet-20 and VGG16 (experiments/README.md).
   """
   model: str
   paths: tuple[str, ...]
@@ -73,6 +89,7 @@ class Profile:
   comm: dict[str, LinearCost]
   source: str = ""
   overlap: bool = True
+  dlgs_exact_fraction: Optional[float] = None
 
   def __post_init__(self):
     object.__setattr__(self, "paths", tuple(self.paths))
@@ -96,6 +113,9 @@ class Profile:
       raise ValueError(f"forward time must be finite and >= 0, got {self.t_forward!r}")
     if not isinstance(self.workers, int) or self.workers < 1:
       raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}")
+    fraction = self.dlgs_exact_fraction
+    if fraction is not None and not (isinstance(fraction, (int, float)) and 0.0 <= fraction <= 1.0):
+      raise ValueError(f"dlgs_exact_fraction must be in [0, 1] or None, got {fraction!r}")
     for table in (self.sparsify, self.comm):
       for key, cost in table.items():
         if not isinstance(cost, LinearCost):
@@ -121,7 +141,8 @@ class Profile:
           workers=int(data["workers"]),
           sparsify={k: LinearCost(**v) for k, v in data.get("sparsify", {}).items()},
           comm={k: LinearCost(**v) for k, v in data.get("comm", {}).items()},
-          source=data.get("source", ""), overlap=bool(data.get("overlap", True)))
+          source=data.get("source", ""), overlap=bool(data.get("overlap", True)),
+          dlgs_exact_fraction=data.get("dlgs_exact_fraction"))
     except (KeyError, TypeError) as e:
       raise ValueError(f"not a valid profile: {e!r}") from None
 
@@ -144,37 +165,103 @@ class Profile:
 class MethodCosts:
   """Per-message sparsification and communication times for one method.
 
-  `fixed_collectives` counts small all-reduces every iteration pays besides
-  the gradient messages (the train step has two: the workers' agreement on
-  finite gradients, and the fused mean of BatchNorm statistics and metrics);
-  each costs the all-reduce latency.
+  Attributes:
+    method: one of `MODELLED`.
+    density: the sparse methods' density (dense and TernGrad ignore it).
+    fixed_collectives: small all-reduces every iteration pays besides the
+      gradient messages (the train step has two: the workers' agreement on
+      finite gradients, and the fused mean of BatchNorm statistics and
+      metrics); each costs the all-reduce latency. TernGrad adds its own (the
+      shared scalers' max), counted by `fixed_overhead`.
+    exact_fraction: DLGS only: the share of steps on which a message's
+      thresholds are computed exactly. The update then costs
+      ``f * sparsify["dlgs_exact"] + (1 - f) * sparsify["dlgs_reuse"]``;
+      None uses the profile's "dlgs" cost, amortised over the fixed schedule.
+      Pass ``profile.dlgs_exact_fraction`` for DLGS with the refresh rule.
+    whole_layers: DGC only: layers (positions in backward order) sent whole,
+      by one fused all-reduce after the sparse messages (leaves of fewer than
+      ``min_ndim`` dimensions); `simulate` leaves them out of their groups'
+      sparse messages.
   """
   method: str
   density: float
   fixed_collectives: int = 0
+  exact_fraction: Optional[float] = None
+  whole_layers: FrozenSet[int] = frozenset()
+
+  def __post_init__(self):
+    if self.method not in MODELLED:
+      raise ValueError(f"unknown method {self.method!r}; choose from {MODELLED}")
+    if not 0.0 < self.density <= 1.0:
+      raise ValueError(f"density must be in (0, 1], got {self.density!r}")
+    fraction = self.exact_fraction
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+      raise ValueError(f"exact_fraction must be in [0, 1] or None, got {fraction!r}")
+    if fraction is not None and self.method != "dlgs":
+      raise ValueError(f"exact_fraction applies to dlgs only, not {self.method!r}")
+    object.__setattr__(self, "whole_layers", frozenset(self.whole_layers))
+    if self.whole_layers and self.method != "dgc":
+      raise ValueError(f"whole_layers applies to dgc only, not {self.method!r}")
 
   def sparsify_time(self, profile: Profile, size: int) -> float:
+    if size <= 0:
+      return 0.0
+    if self.method == "dlgs" and self.exact_fraction is not None:
+      missing = [k for k in ("dlgs_exact", "dlgs_reuse") if k not in profile.sparsify]
+      if missing:
+        raise ValueError(f"exact_fraction needs the profile's {missing} update costs "
+                         f"(has {sorted(profile.sparsify)}); measure the profile again")
+      f = self.exact_fraction
+      return (f * profile.sparsify["dlgs_exact"](size)
+              + (1.0 - f) * profile.sparsify["dlgs_reuse"](size))
     cost = profile.sparsify.get(self.method)
     return 0.0 if cost is None else cost(size)
 
   def comm_bytes(self, profile: Profile, size: int) -> float:
     """Bytes the busiest worker sends for one message of `size` elements."""
     p = profile.workers
+    if size <= 0:
+      return 0.0
     if self.method == "dense":
       return wire.allreduce_bytes(size, p)
+    if self.method == "terngrad":
+      return wire.packed_allgather_bytes(wire.ternary_bytes(size), p)
     k = selection.num_to_keep(self.density, size)
     if self.method == "gtopk":
       return wire.gtopk_bytes(k, p)[0]
+    if self.method == "dgc":
+      return wire.allgather_bytes(min(size, math.ceil(DGC_BAND_UPPER * k)), p)
     return wire.allgather_bytes(k, p)
 
   def comm_time(self, profile: Profile, size: int) -> float:
-    if profile.workers <= 1:
+    if profile.workers <= 1 or size <= 0:
       return 0.0
     kind = {"dense": "allreduce", "gtopk": "gtopk"}.get(self.method, "allgather")
-    if kind not in profile.comm:
-      raise ValueError(
-          f"profile has no '{kind}' communication cost (has {sorted(profile.comm)})")
-    return profile.comm[kind](self.comm_bytes(profile, size))
+    return _collective(profile, kind)(self.comm_bytes(profile, size))
+
+
+def layers_below_ndim(profile: Profile, shapes: dict[str, Sequence[int]], min_ndim: int
+                      ) -> frozenset[int]:
+  """Positions (backward order) of the layers whose leaf has fewer than `min_ndim` dims.
+
+  For `MethodCosts.whole_layers` (DGC sends those leaves whole).
+
+  Args:
+    profile: the profile whose layer order is used.
+    shapes: leaf path -> shape, for every path of the profile.
+    min_ndim: DGC's ``min_ndim``.
+  """
+  missing = [p for p in profile.paths if p not in shapes]
+  if missing:
+    raise ValueError(f"no shape for the profile's layers {missing[:3]!r}")
+  return frozenset(i for i, path in enumerate(profile.paths) if len(shapes[path]) < min_ndim)
+
+
+def _collective(profile: Profile, kind: str) -> LinearCost:
+  if kind not in profile.comm:
+    raise ValueError(
+        f"profile has no '{kind}' communication cost (has {sorted(profile.comm)})")
+  return profile.comm[kind]
 
 
 @dataclasses.dataclass
@@ -187,9 +274,10 @@ class Timeline:
   comm_exposed: float          # communication not hidden behind compute
   backward_start: list[float]  # per layer
   groups: list[list[int]]      # layer indices per group
-  sparsify_start: list[float]  # per group
+  # Per message: one per group, then (DGC) the all-reduce of the whole layers.
+  sparsify_start: list[float]
   sparsify_time: list[float]
-  comm_start: list[float]      # per group
+  comm_start: list[float]      # per message, as sparsify_start
   comm_time: list[float]
 
   def breakdown(self) -> dict[str, float]:
@@ -210,9 +298,10 @@ def check_groups(groups: Sequence[Sequence[int]], num_layers: int) -> list[list[
 
 def fixed_overhead(profile: Profile, costs: MethodCosts) -> float:
   """Latency of the iteration's small fixed collectives (see `MethodCosts`)."""
-  if profile.workers <= 1 or not costs.fixed_collectives or "allreduce" not in profile.comm:
+  count = costs.fixed_collectives + (1 if costs.method == "terngrad" else 0)
+  if profile.workers <= 1 or not count or "allreduce" not in profile.comm:
     return 0.0
-  return costs.fixed_collectives * profile.comm["allreduce"].alpha
+  return count * profile.comm["allreduce"].alpha
 
 
 def simulate(profile: Profile, groups: Sequence[Sequence[int]], costs: MethodCosts) -> Timeline:
@@ -231,12 +320,16 @@ def simulate(profile: Profile, groups: Sequence[Sequence[int]], costs: MethodCos
   comm_clock = 0.0
   backward_start = [0.0] * profile.num_layers
   s_start, s_time, c_start, c_time = [], [], [], []
+  whole = 0  # elements DGC sends by its final all-reduce
   for group in groups:
     size = 0
     for layer in group:
       backward_start[layer] = compute_clock
       compute_clock += profile.t_backward[layer]
-      size += profile.sizes[layer]
+      if layer in costs.whole_layers:
+        whole += profile.sizes[layer]
+      else:
+        size += profile.sizes[layer]
     t_s = costs.sparsify_time(profile, size)
     s_start.append(compute_clock)
     s_time.append(t_s)
@@ -248,6 +341,20 @@ def simulate(profile: Profile, groups: Sequence[Sequence[int]], costs: MethodCos
     comm_clock = start + t_c
     if not profile.overlap:
       compute_clock = comm_clock  # the collective blocks the compute stream
+  if whole:
+    # DGC: the small leaves' velocities, momentum SGD's work, one all-reduce.
+    t_s = MethodCosts("dense", 1.0).sparsify_time(profile, whole)
+    s_start.append(compute_clock)
+    s_time.append(t_s)
+    compute_clock += t_s
+    t_c = (_collective(profile, "allreduce")(wire.allreduce_bytes(whole, profile.workers))
+           if profile.workers > 1 else 0.0)
+    start = max(compute_clock, comm_clock)
+    c_start.append(start)
+    c_time.append(t_c)
+    comm_clock = start + t_c
+    if not profile.overlap:
+      compute_clock = comm_clock
   t_iter = max(comm_clock, compute_clock) + fixed_overhead(profile, costs)
   compute = profile.t_forward + sum(profile.t_backward)
   sparsify = sum(s_time)

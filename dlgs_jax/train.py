@@ -39,6 +39,23 @@ CIFAR_MODELS = ("smallcnn", "resnet20", "vgg16")
 DENSITY_FREE = ("dense", "terngrad")
 
 
+# Named variants experiments compare: name -> (method, extra flags). The flags
+# mean the same to dlgs-train and to `dlgs_jax.benchmark`.
+VARIANTS = {
+    # The paper's fixed threshold schedule (no refresh rule).
+    "dlgs-paper": ("dlgs", ["--refresh-below", "none"]),
+    # Biases and BatchNorm parameters sent whole (DGC's choice).
+    "dlgs-whole1d": ("dlgs", ["--min-ndim", "2"]),
+    "lags-whole1d": ("lags", ["--min-ndim", "2"]),
+}
+
+
+def variant(name: str) -> tuple[str, list[str]]:
+  """(method, extra flags) of a method or a named variant (`VARIANTS`)."""
+  method, flags = VARIANTS.get(name, (name, []))
+  return method, list(flags)
+
+
 def configurations(methods, densities) -> list[tuple[str, float]]:
   """(method, density) pairs an experiment runs: density-free methods once (first density)."""
   return [(method, density) for density in densities for method in methods
@@ -177,6 +194,11 @@ def decay_boundaries(args, steps_per_epoch: int, total_steps: int) -> list[int]:
   return [int(round(total_steps * 4 / 7)), int(round(total_steps * 6 / 7))]
 
 
+def refresh_below(args) -> "float | None":
+  """DLGS's refresh rule from the checked flags: the fraction of k, or None (the paper's)."""
+  return None if args.refresh_below == "none" else float(args.refresh_below)
+
+
 def dgc_warmup_steps(args, steps_per_epoch: int, total_steps: int) -> int:
   return min(int(round(args.dgc_warmup_epochs * steps_per_epoch)), total_steps // 4)
 
@@ -206,10 +228,9 @@ def build_optimizer(args, axis: str, schedule, groups, order, *, warmup_steps: i
     compressor = dlgs_jax.lags(args.density, axis_name=axis, groups=groups, order=order,
                                collective=args.collective, min_ndim=args.min_ndim)
   else:
-    refresh = None if args.refresh_below == "none" else float(args.refresh_below)
     compressor = dlgs_jax.dlgs(args.density, axis_name=axis, reuse_every=args.reuse_every,
                                groups=groups, order=order, collective=args.collective,
-                               refresh_below=refresh, min_ndim=args.min_ndim)
+                               refresh_below=refresh_below(args), min_ndim=args.min_ndim)
   return optax.chain(
       compressor,
       optax.add_decayed_weights(args.weight_decay),
@@ -274,7 +295,9 @@ def make_or_load_plan(args, mesh, paths, workers, log):
           "profile is used) ...")
       profile, _ = profiler.profile_model(
           args.model, density=args.density, batch_size=args.batch_size,
-          image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every, seed=args.seed)
+          image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every, seed=args.seed,
+          refresh_below=refresh_below(args) if args.method == "dlgs" else None,
+          methods=(args.method,))
     if args.bandwidth:
       profile = profile.with_comm(
           profiler.network_comm(workers, profiler.parse_bandwidth(args.bandwidth), args.latency),
@@ -282,7 +305,12 @@ def make_or_load_plan(args, mesh, paths, workers, log):
     plan = None
     import jax
     if jax.process_index() == 0:
-      plan = planner.make_plan(profile, args.method, args.density, args.planner)
+      # With the refresh rule, DLGS recomputes thresholds as often as the
+      # profile measured (None: the fixed schedule's cost).
+      fraction = (profile.dlgs_exact_fraction
+                  if args.method == "dlgs" and refresh_below(args) is not None else None)
+      plan = planner.make_plan(profile, args.method, args.density, args.planner,
+                               exact_fraction=fraction)
     plan = planner.broadcast_plan(plan)
   if plan.method != args.method:
     raise SystemExit(f"dlgs-train: the plan was made for method {plan.method!r}, "

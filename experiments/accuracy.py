@@ -26,15 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-from dlgs_jax.train import DENSITY_FREE, configurations
+from dlgs_jax.train import DENSITY_FREE, configurations, variant
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# Named variants: (dlgs-train method, extra flags).
-VARIANTS = {"dlgs-paper": ("dlgs", ["--refresh-below", "none"]),
-            # Biases and BatchNorm parameters sent whole (DGC's choice).
-            "dlgs-whole1d": ("dlgs", ["--min-ndim", "2"]),
-            "lags-whole1d": ("lags", ["--min-ndim", "2"])}
 
 
 def parse_args(argv=None):
@@ -65,7 +60,7 @@ def parse_args(argv=None):
 
 
 def train_command(args, method, density, workdir):
-  method, extra = VARIANTS.get(method, (method, []))
+  method, extra = variant(method)
   command = [sys.executable, "-m", "dlgs_jax.train", "--model", args.model, "--method", method,
              *extra,
              "--density", str(density), "--epochs", str(args.epochs),

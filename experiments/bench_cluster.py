@@ -29,15 +29,38 @@ import sys
 import time
 from pathlib import Path
 
-from dlgs_jax.train import DENSITY_FREE, configurations
+from dlgs_jax.train import DENSITY_FREE, configurations, variant
 
 HERE = Path(__file__).resolve().parent
-# Named variants: (benchmark method, extra benchmark flags).
-VARIANTS = {"dlgs-paper": ("dlgs", ["--refresh-below", "none"])}
-PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs", "dlgs-paper")
+PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs", "dlgs-paper", "dgc", "terngrad")
+# How each method's messages are grouped: planned (dense fusion, DLGS merging)
+# or fixed by the method (one per leaf, one for everything).
 GROUPING = {"dense": "optimal", "dlgs": "optimal", "dlgs-paper": "optimal", "lags": "wfbp",
-            "topk": "single",
-            "gtopk": "single"}
+            "topk": "single", "gtopk": "single", "dgc": "wfbp", "terngrad": "wfbp"}
+# Small all-reduces every train step pays besides the gradient messages.
+FIXED_COLLECTIVES = 2
+
+
+def method_costs(method: str, density: float, profile, shapes):
+  """The timeline model's costs of `method` (a method or a variant) as the benchmark runs it.
+
+  Args:
+    method: a benchmark method or a `train.VARIANTS` name.
+    density: the run's density.
+    profile: the profile measured for this model and density.
+    shapes: leaf path -> parameter shape (DGC sends leaves of < 2 dims whole).
+  """
+  from dlgs_jax.timeline import MethodCosts, layers_below_ndim
+
+  base, _ = variant(method)
+  extra = {}
+  if method == "dlgs" and profile.dlgs_exact_fraction is not None:
+    # The refresh rule is on: thresholds are recomputed as often as measured.
+    extra["exact_fraction"] = profile.dlgs_exact_fraction
+  if base == "dgc":
+    extra["whole_layers"] = layers_below_ndim(profile, shapes, 2)
+  return MethodCosts(base, 1.0 if base in DENSITY_FREE else density,
+                     fixed_collectives=FIXED_COLLECTIVES, **extra)
 
 
 def parse_args(argv=None):
@@ -68,8 +91,10 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   if args.quick:
     args.models, args.methods, args.steps, args.warmup = "resnet20", "dense,topk,dlgs", 8, 2
-  from dlgs_jax import cluster, planner
-  from dlgs_jax.timeline import MethodCosts, Profile, simulate
+  import jax
+  from dlgs_jax import cluster, grouping, planner
+  from dlgs_jax.models import param_shapes
+  from dlgs_jax.timeline import Profile, simulate
 
   reason = cluster.unavailable_reason()
   if reason:
@@ -107,28 +132,31 @@ def main(argv=None) -> int:
           print(f"== {model}: profiling on the cluster at density {density:g}", flush=True)
           bench(["--profile-out", str(profile_path), "--density", str(density)])
         profile = Profile.load(profile_path)
+        params = param_shapes(model, image_size=args.image_size)
+        shapes = dict(zip(grouping.leaf_paths(params),
+                          (x.shape for x in jax.tree_util.tree_leaves(params))))
         for method in methods:
           if (method, density) not in runs:
             continue
           result_path = out / f"run_{model}_{method}_{density:g}.json"
           plan_path = out / f"plan_{model}_{method}_{density:g}.json"
           plan_args, predicted = [], None
-          base, extra = VARIANTS.get(method, (method, []))
+          base, extra = variant(method)
           if method in PREDICTABLE:
-            costs = MethodCosts(base, 1.0 if method == "dense" else density,
-                                fixed_collectives=2)
-            grouping = GROUPING[method]
+            costs = method_costs(method, density, profile, shapes)
+            how = GROUPING[method]
             planned = base in ("dense", "dlgs")
             if planned and args.predict_only:
               # Predict the grouping that was measured, not a new plan.
               index = {path: i for i, path in enumerate(profile.paths)}
               groups = [[index[q] for q in g] for g in planner.Plan.load(plan_path).groups]
             else:
-              groups = planner.PLANNER_FUNCTIONS[grouping](profile, costs)
+              groups = planner.PLANNER_FUNCTIONS[how](profile, costs)
             predicted = simulate(profile, groups, costs).breakdown()
             if planned:
               if not args.predict_only:
-                planner.make_plan(profile, base, costs.density, grouping).save(plan_path)
+                planner.make_plan(profile, base, costs.density, how,
+                                  exact_fraction=costs.exact_fraction).save(plan_path)
               plan_args = ["--plan", str(plan_path)]
           if args.predict_only:
             if not result_path.exists():

@@ -187,3 +187,23 @@ def test_normalize_uses_the_given_statistics():
   images = np.full((1, 2, 2, 3), 255, np.uint8)
   out = np.asarray(data.normalize(images, data.IMAGENET_MEAN, data.IMAGENET_STD))
   np.testing.assert_allclose(out[0, 0, 0], (1 - data.IMAGENET_MEAN) / data.IMAGENET_STD, rtol=1e-6)
+
+
+def test_benchmark_batches_are_real_cifar_slices_distinct_per_worker_and_step():
+  images, labels = data.benchmark_batches((32, 32, 3), 10, 3, 2, 4, first_worker=2)
+  assert images.shape == (3, 2, 4, 32, 32, 3) and images.dtype == np.uint8
+  assert labels.shape == (3, 2, 4) and labels.dtype == np.int32
+  train, _ = data.load_embedded_cifar10()
+  # Worker 2 (this process's first) starts at image 2 * 3 batches * 4.
+  np.testing.assert_array_equal(images[0, 0], train.images[24:28])
+  np.testing.assert_array_equal(labels[1, 0], train.labels[28:32])
+  np.testing.assert_array_equal(images[0, 1], train.images[36:40])  # worker 3
+  flat = images.reshape(24, -1)
+  assert len({row.tobytes() for row in flat}) == 24  # no batch repeats
+
+
+def test_benchmark_batches_other_shapes_are_random_and_in_range():
+  images, labels = data.benchmark_batches((16, 16, 3), 1000, 2, 1, 5)
+  assert images.shape == (2, 1, 5, 16, 16, 3)
+  assert labels.min() >= 0 and labels.max() < 1000
+  assert not np.array_equal(images[0], images[1])

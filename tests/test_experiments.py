@@ -57,6 +57,23 @@ def test_bench_cluster_merge_replaces_remeasured_configurations_and_keeps_the_re
   assert "| 1.00 |  | 2.00x |" in table[4]  # no count recorded: empty cell
 
 
+def test_bench_cluster_costs_every_method_as_the_benchmark_runs_it():
+  from dlgs_jax.timeline import LinearCost, Profile
+  bench = load("bench_cluster")
+  profile = Profile(model="m", paths=["head/kernel", "bn/scale", "conv/kernel"],
+                    sizes=[640, 16, 2304], t_forward=0.0, t_backward=[0.0] * 3, workers=4,
+                    sparsify={"dlgs": LinearCost(1.0, 0.0)}, comm={},
+                    dlgs_exact_fraction=0.6)
+  shapes = {"head/kernel": (64, 10), "bn/scale": (16,), "conv/kernel": (3, 3, 16, 16)}
+  dlgs = bench.method_costs("dlgs", 0.1, profile, shapes)
+  paper = bench.method_costs("dlgs-paper", 0.1, profile, shapes)
+  assert dlgs.exact_fraction == 0.6 and paper.exact_fraction is None  # the fixed schedule
+  assert paper.method == "dlgs" and paper.fixed_collectives == 2
+  assert bench.method_costs("dgc", 0.01, profile, shapes).whole_layers == {1}
+  assert bench.method_costs("terngrad", 0.01, profile, shapes).density == 1.0
+  assert set(bench.GROUPING) == set(bench.PREDICTABLE)
+
+
 def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "accuracy.py"), "--model", "smallcnn",
              "--methods", "dense,dlgs", "--densities", "0.1", "--epochs", "1", "--workers", "2",

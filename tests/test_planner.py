@@ -100,3 +100,25 @@ def test_make_plan_bad_input():
     planner.make_plan(Profile(model="m", paths=["a"], sizes=[3], t_forward=0.0,
                               t_backward=[0.0], workers=2, sparsify={}, comm={}),
                       "dlgs", 0.1, "wfbp")
+
+
+def test_make_plan_prices_dlgs_at_the_measured_refresh_rate():
+  # A costly exact step makes merging pay off only when thresholds are often
+  # recomputed: with the fixed schedule (amortised "dlgs", free here) the
+  # planner keeps layers apart; at an exact fraction of 1 it merges, paying
+  # the exact step's fixed cost fewer times.
+  profile = Profile(model="m", paths=[f"l{i}" for i in range(4)], sizes=[1000] * 4,
+                    t_forward=0.0, t_backward=[1e-3] * 4, workers=4, overlap=True,
+                    sparsify={"dlgs": LinearCost(0.0, 0.0),
+                              "dlgs_exact": LinearCost(5e-3, 0.0),
+                              "dlgs_reuse": LinearCost(0.0, 0.0)},
+                    comm={"allgather": LinearCost(1e-4, 1e-7)})
+  schedule = planner.make_plan(profile, "dlgs", 0.1, "optimal")
+  refresh = planner.make_plan(profile, "dlgs", 0.1, "optimal", exact_fraction=1.0)
+  assert len(schedule.groups) == 4 and len(refresh.groups) == 1
+  groups = [[profile.paths.index(p) for p in g] for g in refresh.groups]
+  costs = MethodCosts("dlgs", 0.1, exact_fraction=1.0)
+  assert refresh.predicted["t_iter"] == pytest.approx(simulate(profile, groups, costs).t_iter)
+  assert refresh.predicted["t_iter"] < simulate(profile, [[0], [1], [2], [3]], costs).t_iter
+  with pytest.raises(ValueError, match="dlgs only"):
+    planner.make_plan(profile, "lags", 0.1, "optimal", exact_fraction=0.5)

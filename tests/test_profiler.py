@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dlgs_jax
-from dlgs_jax import grouping, models, parallel, profiler
+from dlgs_jax import data, grouping, models, parallel, profiler
 from dlgs_jax.timeline import LinearCost, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,9 @@ def test_measure_compute_orders_layers_and_checks_the_total():
   assert sorted(result["order"]) == sorted(grouping.leaf_paths(params))
   assert result["order"][0].startswith("Dense_0")  # the output layer is ready first
   assert all(t >= 0 for t in result["t_backward"])
-  assert sum(result["t_backward"]) == pytest.approx(result["backward_measured"], rel=1e-9)
+  # Scaled to the measured whole backward; unscaled if noise made that <= 0.
+  whole = result["backward_measured"] or result["backward_sum_alone"]
+  assert sum(result["t_backward"]) == pytest.approx(whole, rel=1e-9)
   assert result["backward_sum_alone"] > 0 and math.isfinite(result["backward_difference"])
   # Every conv/BN layer got time on exactly one of its leaves.
   timed = {p.rsplit("/", 1)[0] for p, t in zip(result["order"], result["t_backward"]) if t > 0}
@@ -75,11 +77,32 @@ def test_measure_comm_on_local_mesh():
 
 def test_measure_update_fits_every_method():
   costs, raw = profiler.measure_update([4096, 65536], 0.01, repeats=2, reuse_every=4)
-  assert set(costs) == set(profiler.UPDATE_METHODS)
+  assert set(costs) == set(profiler.UPDATE_METHODS) | {"dlgs_exact", "dlgs_reuse"}
+  assert {"dgc", "terngrad"} <= set(costs)
   assert raw["sizes"] == [4096, 65536]
-  for method in profiler.UPDATE_METHODS:
+  for method in costs:
     assert len(raw[method]) == 2 and all(t > 0 for t in raw[method])
     assert costs[method](65536) > 0
+  # DLGS: one exact step and reuse_every - 1 reuse steps per period.
+  for exact, reuse, amortised in zip(raw["dlgs_exact"], raw["dlgs_reuse"], raw["dlgs"]):
+    assert amortised == pytest.approx((exact + 3 * reuse) / 4)
+
+
+def test_measure_refresh_counts_exact_thresholds_over_real_steps():
+  model, shape = models.create_model("smallcnn")
+  variables = model.init(jax.random.key(0), jnp.zeros((1,) + shape), train=False)
+  images, labels = data.benchmark_batches(shape, 10, 4, 1, 8)
+  images, labels = images[:, 0], labels[:, 0]
+  # reuse_every=1: every threshold is exact on every step.
+  assert profiler.measure_refresh(model, variables, images, labels, 0.05, reuse_every=1,
+                                  steps=3) == 1.0
+  # Counted steps 1..8 hold the schedule's step 4 (and 8): at least 2 of 8 all exact;
+  # the rule adds early refreshes, never fewer.
+  share = profiler.measure_refresh(model, variables, images, labels, 0.05, reuse_every=4,
+                                   steps=9)
+  assert 2 / 8 <= share <= 1.0
+  with pytest.raises(ValueError, match="got 1"):
+    profiler.measure_refresh(model, variables, images, labels, 0.05, steps=1)
 
 
 def test_measure_update_times_a_dlgs_reuse_step():

@@ -63,6 +63,7 @@ def test_comm_bytes_follow_wire_model():
     ({"sizes": (100, 0, 300)}, "size 0"),
     ({"t_forward": math.inf}, "inf"),
     ({"workers": 0}, "workers"),
+    ({"dlgs_exact_fraction": 2.0}, "2.0"),
 ])
 def test_bad_profiles_raise(kwargs, match):
   if "t_b" in kwargs:
@@ -117,3 +118,73 @@ def test_without_overlap_the_iteration_is_the_sum_of_everything():
   fixed = simulate(profile, groups, MethodCosts("dlgs", 0.1, fixed_collectives=2))
   assert fixed.t_iter == pytest.approx(total + 2 * 3e-3)
   assert Profile.from_dict(profile.to_dict()).overlap is False
+
+
+def test_dlgs_exact_fraction_interpolates_the_measured_step_kinds():
+  exact, reuse = LinearCost(1e-3, 2e-8), LinearCost(1e-4, 1e-9)
+  profile = make_profile(sparsify={"dlgs": LinearCost(0.5, 0.0), "dlgs_exact": exact,
+                                   "dlgs_reuse": reuse})
+  for f in (0.0, 0.1, 0.64, 1.0):
+    costs = MethodCosts("dlgs", 0.1, exact_fraction=f)
+    assert costs.sparsify_time(profile, 5000) == pytest.approx(
+        f * exact(5000) + (1 - f) * reuse(5000))
+  # None: the profile's cost amortised over the fixed schedule.
+  assert MethodCosts("dlgs", 0.1).sparsify_time(profile, 5000) == 0.5
+  old = make_profile()  # no dlgs_exact / dlgs_reuse
+  with pytest.raises(ValueError, match="dlgs_exact"):
+    MethodCosts("dlgs", 0.1, exact_fraction=0.5).sparsify_time(old, 100)
+  profile = make_profile(dlgs_exact_fraction=0.64)
+  assert Profile.from_dict(profile.to_dict()).dlgs_exact_fraction == 0.64
+
+
+def test_dgc_sends_buffers_per_leaf_and_small_leaves_in_one_allreduce():
+  # Layers 0 and 2 are "1-D": one fused all-reduce at the end; layer 1 sparse.
+  sizes = (100, 20000, 50)
+  profile = make_profile(sizes=sizes, workers=4, overlap=False,
+                         sparsify={"dgc": LinearCost(1e-3, 1e-7), "dense": LinearCost(2e-4, 0.0)},
+                         comm={"allgather": LinearCost(1e-3, 1e-8),
+                               "allreduce": LinearCost(2e-3, 1e-8)})
+  costs = MethodCosts("dgc", 0.01, whole_layers={0, 2})
+  tl = simulate(profile, [[0], [1], [2]], costs)
+  pairs = math.ceil(1.3 * 200)
+  sparse = 1e-3 + 1e-8 * wire.allgather_bytes(pairs, 4)
+  fused = 2e-3 + 1e-8 * wire.allreduce_bytes(150, 4)
+  assert costs.comm_bytes(profile, 20000) == wire.allgather_bytes(pairs, 4)
+  assert tl.comm_time == [0.0, pytest.approx(sparse), 0.0, pytest.approx(fused)]
+  assert tl.sparsify_time == [0.0, pytest.approx(1e-3 + 1e-7 * 20000), 0.0, 2e-4]
+  assert tl.t_iter == pytest.approx(5.0 + 6.0 + sum(tl.sparsify_time) + sparse + fused)
+  with pytest.raises(ValueError, match="dgc only"):
+    MethodCosts("lags", 0.01, whole_layers={0})
+
+
+def test_terngrad_sends_two_bits_per_value_and_pays_its_scaler_allreduce():
+  profile = make_profile(sizes=(1000, 2001, 10), workers=4, overlap=False,
+                         sparsify={"terngrad": LinearCost(1e-4, 0.0)},
+                         comm={"allgather": LinearCost(1e-3, 1e-8),
+                               "allreduce": LinearCost(2e-3, 0.0)})
+  costs = MethodCosts("terngrad", 1.0, fixed_collectives=2)
+  assert costs.comm_bytes(profile, 2001) == 3 * 501  # ceil(2001 / 4) bytes to P-1 workers
+  tl = simulate(profile, [[0], [1], [2]], costs)
+  comm = sum(1e-3 + 1e-8 * 3 * math.ceil(n / 4) for n in (1000, 2001, 10))
+  assert tl.t_iter == pytest.approx(11.0 + 3e-4 + comm + 3 * 2e-3)  # 2 fixed + the scalers' max
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"method": "sgd"}, "sgd"),
+    ({"density": 0.0}, "0.0"),
+    ({"exact_fraction": 1.5}, "1.5"),
+    ({"method": "lags", "exact_fraction": 0.5}, "dlgs only"),
+])
+def test_bad_method_costs_raise(kwargs, match):
+  args = {"method": "dlgs", "density": 0.1, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    MethodCosts(**args)
+
+
+def test_layers_below_ndim_follow_the_profile_order():
+  from dlgs_jax.timeline import layers_below_ndim
+  profile = make_profile()
+  shapes = {"l0": (3, 3, 4, 8), "l1": (8,), "l2": (8, 10)}
+  assert layers_below_ndim(profile, shapes, 2) == {1}
+  with pytest.raises(ValueError, match="l2"):
+    layers_below_ndim(profile, {"l0": (1, 1), "l1": (1,)}, 2)
