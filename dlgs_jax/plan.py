@@ -32,6 +32,9 @@ def parse_args(argv=None):
   parser.add_argument("--batch-size", type=int, default=32, help="examples per worker")
   parser.add_argument("--image-size", type=int, help="input side (default: the model's)")
   parser.add_argument("--reuse-every", type=int, default=10)
+  parser.add_argument("--refresh-below", default="0.5",
+                      help="DLGS refresh rule, as in dlgs-train ('none': the paper's schedule); "
+                      "with the rule on, DLGS is priced at the refresh rate the profile measured")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out-dir", default="runs/plan")
   return parser.parse_args(argv)
@@ -46,11 +49,16 @@ def main(argv=None) -> int:
 
   from dlgs_jax import planner, profiler, timeline
   from dlgs_jax.timeline import MethodCosts, Profile, simulate
+  from dlgs_jax.train import parse_refresh_below
 
   if args.method not in timeline.METHODS:
     raise SystemExit(f"unknown --method {args.method!r}; choose from {timeline.METHODS}")
   if args.planner not in planner.PLANNERS:
     raise SystemExit(f"unknown --planner {args.planner!r}; choose from {planner.PLANNERS}")
+  try:
+    refresh = parse_refresh_below(args.refresh_below)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   if args.profile:
@@ -63,6 +71,8 @@ def main(argv=None) -> int:
     profile, details = profiler.profile_model(
         args.model, density=args.density, batch_size=args.batch_size,
         image_size=args.image_size, reuse_every=args.reuse_every, repeats=args.repeats,
+        methods=tuple(dict.fromkeys((args.method, "dense"))),
+        refresh_below=refresh if args.method == "dlgs" else None,
         progress=lambda m: print("  " + m, flush=True))
     print(f"  backward: measured whole {details['backward_measured'] * 1e3:.2f} ms, sum of "
           f"layers timed alone {details['backward_sum_alone'] * 1e3:.2f} ms "
@@ -79,7 +89,16 @@ def main(argv=None) -> int:
   elif args.workers and args.workers != profile.workers:
     raise SystemExit("--workers needs --bandwidth (measured costs hold for the measured P only)")
 
-  costs = MethodCosts(args.method, args.density)
+  fraction = None
+  if args.method == "dlgs" and refresh is not None:
+    fraction = profile.dlgs_exact_fraction
+    if fraction is None:
+      print("note: the profile has no measured refresh rate; DLGS is priced at the fixed "
+            "schedule's cost")
+    else:
+      print(f"DLGS refresh rule: {fraction:.0%} of thresholds computed exactly per step "
+            "(measured)")
+  costs = MethodCosts(args.method, args.density, exact_fraction=fraction)
   dense_costs = MethodCosts("dense", 1.0)
   dense_time = simulate(profile, planner.optimal(profile, dense_costs), dense_costs).t_iter
   print(f"\n{args.model}, {args.method} at density {args.density:g}, P = {profile.workers}; "
@@ -100,7 +119,8 @@ def main(argv=None) -> int:
     sizes = [sum(profile.sizes[i] for i in g) for g in tl.groups]
     print(f"{name}: {len(tl.groups)} groups, layers per group {[len(g) for g in tl.groups]}, "
           f"elements per group {sizes}")
-  plan = planner.make_plan(profile, args.method, args.density, args.planner)
+  plan = planner.make_plan(profile, args.method, args.density, args.planner,
+                           exact_fraction=fraction)
   plan_path = out_dir / f"{args.model}_{args.method}_{args.density:g}_{args.planner}_plan.json"
   plan.save(plan_path)
   png = out_dir / f"{args.model}_{args.method}_{args.density:g}_timeline.png"

@@ -168,13 +168,10 @@ def check_args(args: argparse.Namespace) -> None:
     bad("--min-ndim", args.min_ndim, "must be >= 0")
   if args.min_ndim and args.method not in ("lags", "dlgs"):
     bad("--min-ndim", args.min_ndim, f"applies to lags and dlgs, not {args.method}")
-  if args.refresh_below != "none":
-    try:
-      refresh = float(args.refresh_below)
-    except ValueError:
-      refresh = -1.0
-    if not 0.0 <= refresh <= 1.0:
-      bad("--refresh-below", args.refresh_below, "must be a number in [0, 1] or 'none'")
+  try:
+    parse_refresh_below(args.refresh_below)
+  except ValueError:
+    bad("--refresh-below", args.refresh_below, "must be a number in [0, 1] or 'none'")
   if args.method in ("topk", "gtopk", "dgc", "terngrad") and (args.planner != "none" or args.plan):
     bad("--planner/--plan", args.plan or args.planner,
         f"planning applies to dense, lags and dlgs, not {args.method}")
@@ -194,9 +191,26 @@ def decay_boundaries(args, steps_per_epoch: int, total_steps: int) -> list[int]:
   return [int(round(total_steps * 4 / 7)), int(round(total_steps * 6 / 7))]
 
 
+def parse_refresh_below(text: str) -> "float | None":
+  """``--refresh-below``: a fraction of k in [0, 1], or None for 'none' (the paper's schedule).
+
+  Raises:
+    ValueError: naming `text` when it is neither.
+  """
+  if text == "none":
+    return None
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not 0.0 <= value <= 1.0:
+    raise ValueError(f"--refresh-below must be a number in [0, 1] or 'none', got {text!r}")
+  return value
+
+
 def refresh_below(args) -> "float | None":
   """DLGS's refresh rule from the checked flags: the fraction of k, or None (the paper's)."""
-  return None if args.refresh_below == "none" else float(args.refresh_below)
+  return parse_refresh_below(args.refresh_below)
 
 
 def dgc_warmup_steps(args, steps_per_epoch: int, total_steps: int) -> int:
@@ -309,6 +323,9 @@ def make_or_load_plan(args, mesh, paths, workers, log):
       # profile measured (None: the fixed schedule's cost).
       fraction = (profile.dlgs_exact_fraction
                   if args.method == "dlgs" and refresh_below(args) is not None else None)
+      if fraction is not None:
+        log(f"DLGS refresh rule: {fraction:.0%} of thresholds computed exactly per step "
+            "(measured); the planner prices DLGS at that rate")
       plan = planner.make_plan(profile, args.method, args.density, args.planner,
                                exact_fraction=fraction)
     plan = planner.broadcast_plan(plan)

@@ -148,6 +148,10 @@ def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
   assert (tmp_path / "smallcnn_dlgs_0.05_timeline.png").stat().st_size > 10_000
   profile = Profile.load(tmp_path / "smallcnn_profile.json")
   assert profile.num_layers == 16 and set(profile.comm) == {"allreduce", "allgather", "gtopk"}
+  # DLGS with the refresh rule is priced at the refresh rate measured on real steps.
+  assert set(profile.sparsify) == {"dlgs", "dlgs_exact", "dlgs_reuse", "dense"}
+  assert 0.0 < profile.dlgs_exact_fraction <= 1.0
+  assert f"{profile.dlgs_exact_fraction:.0%} of thresholds computed exactly" in out.stdout
   again = run_cli("--model", "smallcnn", "--density", "0.05", "--profile",
                   str(tmp_path / "smallcnn_profile.json"), "--bandwidth", "1gbit",
                   "--workers", "16", "--out-dir", str(tmp_path))
@@ -157,3 +161,5 @@ def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
   wrong = run_cli("--model", "vgg16", "--profile", str(tmp_path / "smallcnn_profile.json"),
                   "--out-dir", str(tmp_path))
   assert wrong.returncode != 0 and "smallcnn" in wrong.stderr
+  bad = run_cli("--model", "smallcnn", "--refresh-below", "often", "--out-dir", str(tmp_path))
+  assert bad.returncode != 0 and "got 'often'" in bad.stderr

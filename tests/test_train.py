@@ -145,6 +145,9 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
   assert "planned groups (optimal)" in result.stdout
   profile = Profile.from_dict(plan.profile)
   assert "1gbit" in profile.source and profile.t_forward > 0
+  # DLGS with the refresh rule is planned at the refresh rate measured on real steps.
+  assert 0.0 < profile.dlgs_exact_fraction <= 1.0
+  assert f"{profile.dlgs_exact_fraction:.0%} of thresholds computed exactly" in result.stdout
 
 
 @pytest.mark.parametrize("flags,message", [
