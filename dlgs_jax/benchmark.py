@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     if leader:
       profile.save(args.profile_out)
       with open(args.profile_out + ".details.json", "w") as f:
-        json.dump({k: v for k, v in details.items() if not k.endswith("_raw")}, f, indent=1)
+        # The raw timings too, so a profile can be fitted again without measuring.
+        json.dump(details, f, indent=1)
       print(f"profile written to {args.profile_out}: {profile.source}", flush=True)
     return 0
 

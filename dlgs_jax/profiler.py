@@ -67,19 +67,10 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
 
 
 def fit_linear(x: Sequence[float], t: Sequence[float]) -> LinearCost:
-  """Least-squares ``t = alpha + beta * x`` in relative error, both coefficients kept >= 0.
-
-  Relative error (each point weighted by 1/t): message sizes span four or
-  more orders of magnitude, and a plain fit lets the largest points set alpha,
-  the cost that each of a model's many small messages pays (measured: an
-  all-gather alpha fitted 25% high made LAGS, one message per leaf, 25% slower
-  in the model than on the cluster).
-  """
+  """Least-squares ``t = alpha + beta * x`` with both coefficients kept >= 0."""
   x = np.asarray(x, np.float64)
   t = np.asarray(t, np.float64)
-  # np.polyfit weights the residuals: 1/t makes them relative errors.
-  weights = 1.0 / np.maximum(t, 1e-3 * np.max(np.abs(t)) + 1e-15)
-  beta, alpha = np.polyfit(x, t, 1, w=weights) if len(x) > 1 else (0.0, float(t[0]))
+  beta, alpha = np.polyfit(x, t, 1) if len(x) > 1 else (0.0, float(t[0]))
   if beta < 0:
     beta, alpha = 0.0, float(np.median(t))
   if alpha < 0:
@@ -468,9 +459,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   progress("timing forward, backward and each layer's backward")
   compute = measure_compute(model, variables, images, labels, repeats=repeats, barrier=barrier)
   total = sum(compute["sizes"])
-  # From the size of a small leaf (biases, BatchNorm: tens of values) to the
-  # whole model in one message.
-  grid = sorted({int(s) for s in np.geomspace(64, max(total, 8192), 8)})
+  grid = sorted({int(s) for s in np.geomspace(4096, max(total, 8192), 6)})
   progress(f"timing the local update of {', '.join(methods)}")
   sparsify, sparsify_raw = measure_update(grid, density, methods=methods,
                                           reuse_every=reuse_every, repeats=repeats,
@@ -480,7 +469,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   comm, comm_raw = {}, {}
   if workers > 1:
     progress(f"timing collectives on {workers} workers")
-    comm_grid = sorted({int(s) for s in np.geomspace(64, max(total, 8192), 6)})
+    comm_grid = sorted({int(s) for s in np.geomspace(4096, max(total, 8192), 5)})
     comm, comm_raw = measure_comm(mesh, comm_grid, density, repeats=repeats)
   fraction = None
   if "dlgs" in methods and refresh_below is not None:

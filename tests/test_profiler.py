@@ -27,18 +27,6 @@ def test_fit_linear_recovers_coefficients_and_stays_nonnegative():
   assert negative_intercept.alpha == 0.0 and negative_intercept.beta > 0
 
 
-def test_fit_linear_weighs_small_messages_by_relative_error():
-  # Latency 5 ms, a little noise on the large points: an unweighted fit lets
-  # the large points drag alpha off; in relative error small messages keep it.
-  x = np.geomspace(64, 3e5, 8)
-  t = 5e-3 + 2e-8 * x
-  t[-2:] *= [1.2, 0.85]
-  fit = profiler.fit_linear(x, t)
-  assert fit.alpha == pytest.approx(5e-3, rel=0.025)
-  plain_beta, plain_alpha = np.polyfit(x, t, 1)
-  assert abs(plain_alpha - 5e-3) > 2 * abs(fit.alpha - 5e-3)
-
-
 @pytest.mark.parametrize("text,bits", [("1gbit", 1e9), ("10Gbit", 1e10), ("25gbps", 2.5e10),
                                        ("100mbit", 1e8), ("5e8", 5e8)])
 def test_parse_bandwidth(text, bits):
@@ -81,7 +69,7 @@ def test_measure_compute_orders_layers_and_checks_the_total():
 
 def test_measure_comm_on_local_mesh():
   mesh = parallel.data_mesh(4)
-  costs, raw = profiler.measure_comm(mesh, [4096, 65536], 0.01, repeats=2)
+  costs, raw = profiler.measure_comm(mesh, [64, 65536], 0.01, repeats=2)  # k = 1 .. 656
   assert set(costs) == {"allreduce", "allgather", "gtopk"}
   for points in raw.values():
     assert len(points) == 2 and all(t > 0 for _, t in points)
