@@ -89,9 +89,8 @@ def main(argv=None) -> int:
   elif args.workers and args.workers != profile.workers:
     raise SystemExit("--workers needs --bandwidth (measured costs hold for the measured P only)")
 
-  fraction = None
+  fraction = planner.dlgs_exact_fraction(profile, args.method, refresh)
   if args.method == "dlgs" and refresh is not None:
-    fraction = profile.dlgs_exact_fraction
     if fraction is None:
       print("note: the profile has no measured refresh rate; DLGS is priced at the fixed "
             "schedule's cost")

@@ -189,6 +189,19 @@ class Plan:
       raise ValueError(f"plan was made for {self.workers} workers, this run has {workers}")
 
 
+def dlgs_exact_fraction(profile: Profile, method: str,
+                        refresh_below: Optional[float]) -> Optional[float]:
+  """`MethodCosts.exact_fraction` for `method` as it runs.
+
+  DLGS with the refresh rule on (`refresh_below` not None) recomputes
+  thresholds as often as the profile measured; everything else (DLGS on the
+  fixed schedule, other methods, profiles without the measurement) gets None.
+  """
+  if method != "dlgs" or refresh_below is None:
+    return None
+  return profile.dlgs_exact_fraction
+
+
 def make_plan(profile: Profile, method: str, density: float, planner: str, *,
               exact_fraction: Optional[float] = None) -> Plan:
   """Runs `planner` on `profile` for `method` and packages the result.

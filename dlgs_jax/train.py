@@ -321,8 +321,7 @@ def make_or_load_plan(args, mesh, paths, workers, log):
     if jax.process_index() == 0:
       # With the refresh rule, DLGS recomputes thresholds as often as the
       # profile measured (None: the fixed schedule's cost).
-      fraction = (profile.dlgs_exact_fraction
-                  if args.method == "dlgs" and refresh_below(args) is not None else None)
+      fraction = planner.dlgs_exact_fraction(profile, args.method, refresh_below(args))
       if fraction is not None:
         log(f"DLGS refresh rule: {fraction:.0%} of thresholds computed exactly per step "
             "(measured); the planner prices DLGS at that rate")

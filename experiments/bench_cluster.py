@@ -50,13 +50,13 @@ def method_costs(method: str, density: float, profile, shapes):
     profile: the profile measured for this model and density.
     shapes: leaf path -> parameter shape (DGC sends leaves of < 2 dims whole).
   """
+  from dlgs_jax import planner, train
   from dlgs_jax.timeline import MethodCosts, layers_below_ndim
 
-  base, _ = variant(method)
-  extra = {}
-  if method == "dlgs" and profile.dlgs_exact_fraction is not None:
-    # The refresh rule is on: thresholds are recomputed as often as measured.
-    extra["exact_fraction"] = profile.dlgs_exact_fraction
+  base, flags = variant(method)
+  # The variant's own flags say whether the refresh rule is on (dlgs-paper: off).
+  refresh = train.refresh_below(train.parse_args(["--method", base, *flags]))
+  extra = {"exact_fraction": planner.dlgs_exact_fraction(profile, base, refresh)}
   if base == "dgc":
     extra["whole_layers"] = layers_below_ndim(profile, shapes, 2)
   return MethodCosts(base, 1.0 if base in DENSITY_FREE else density,

@@ -122,3 +122,12 @@ def test_make_plan_prices_dlgs_at_the_measured_refresh_rate():
   assert refresh.predicted["t_iter"] < simulate(profile, [[0], [1], [2], [3]], costs).t_iter
   with pytest.raises(ValueError, match="dlgs only"):
     planner.make_plan(profile, "lags", 0.1, "optimal", exact_fraction=0.5)
+
+
+def test_dlgs_exact_fraction_only_for_dlgs_with_the_refresh_rule():
+  profile = random_profile(np.random.default_rng(3), 2)
+  measured = Profile.from_dict({**profile.to_dict(), "dlgs_exact_fraction": 0.7})
+  assert planner.dlgs_exact_fraction(measured, "dlgs", 0.5) == 0.7
+  assert planner.dlgs_exact_fraction(measured, "dlgs", None) is None  # the paper's schedule
+  assert planner.dlgs_exact_fraction(measured, "lags", 0.5) is None
+  assert planner.dlgs_exact_fraction(profile, "dlgs", 0.5) is None  # not measured
