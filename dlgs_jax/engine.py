@@ -109,9 +109,20 @@ class Selection:
   # Per-leaf kinds only: leaves with fewer dimensions (biases, normalisation
   # scales) are sent whole, inside the same message.
   min_ndim: int = 0
+  # Per-leaf kinds only: leaves with these paths (e.g. the classifier head) are
+  # sent whole, inside the same message.
+  whole_paths: frozenset = frozenset()
 
   def sent_whole(self, layout: Layout, leaf: int) -> bool:
-    return self.kind != "group_topk" and len(layout.shapes[leaf]) < self.min_ndim
+    return self.kind != "group_topk" and (
+        len(layout.shapes[leaf]) < self.min_ndim or layout.paths[leaf] in self.whole_paths)
+
+  def check_paths(self, layout: Layout) -> None:
+    """Raises ValueError when a path of `whole_paths` is not a leaf of the tree."""
+    unknown = sorted(set(self.whole_paths) - set(layout.paths))
+    if unknown:
+      raise ValueError(f"send_whole names leaves the tree does not have: {unknown!r}; "
+                       f"its leaves are {list(layout.paths)!r}")
 
   def leaf_k(self, layout: Layout, leaf: int) -> int:
     size = layout.sizes[leaf]

@@ -56,6 +56,28 @@ def backward_order(
   return [path for _, _, path in ranked]
 
 
+def output_layer(order: Sequence[str]) -> list[str]:
+  """Leaf paths of the model's output layer (the classifier head).
+
+  The output layer's gradients are the first to become ready, so it is the
+  module of ``order[0]``; its leaves are the paths in that module (same path
+  up to the last ``/``).
+
+  Args:
+    order: every leaf path, earliest-ready first (`backward_order`).
+
+  Returns:
+    The output layer's leaf paths, in `order`'s order.
+
+  Raises:
+    ValueError: for an empty order.
+  """
+  if not order:
+    raise ValueError("order is empty: the model has no parameters")
+  module = order[0].rpartition("/")[0]
+  return [path for path in order if path.rpartition("/")[0] == module]
+
+
 def _var_key(var) -> int:
   return id(var)
 

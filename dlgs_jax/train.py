@@ -47,6 +47,9 @@ VARIANTS = {
     # Biases and BatchNorm parameters sent whole (DGC's choice).
     "dlgs-whole1d": ("dlgs", ["--min-ndim", "2"]),
     "lags-whole1d": ("lags", ["--min-ndim", "2"]),
+    # The classifier head sent whole (a per-layer budget starves it).
+    "dlgs-head": ("dlgs", ["--send-whole", "head"]),
+    "lags-head": ("lags", ["--send-whole", "head"]),
 }
 
 
@@ -77,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--min-ndim", type=int, default=0,
       help="lags/dlgs: leaves with fewer dimensions (biases, BatchNorm) are sent whole; "
            "0: every leaf is sparsified (the paper)")
+  add("--send-whole", default="",
+      help="lags/dlgs: leaves sent whole, comma-separated leaf paths, or 'head' for the "
+           "output layer (found from the backward order); '': none (the paper)")
   add("--collective", default="allgather", help="lags/dlgs collective: allgather or gtopk")
   add("--dgc-warmup-epochs", type=float, default=4.0,
       help="DGC: epochs of exponential density warm-up from 0.25 (capped at a quarter of the run)")
@@ -168,6 +174,8 @@ def check_args(args: argparse.Namespace) -> None:
     bad("--min-ndim", args.min_ndim, "must be >= 0")
   if args.min_ndim and args.method not in ("lags", "dlgs"):
     bad("--min-ndim", args.min_ndim, f"applies to lags and dlgs, not {args.method}")
+  if args.send_whole and args.method not in ("lags", "dlgs"):
+    bad("--send-whole", args.send_whole, f"applies to lags and dlgs, not {args.method}")
   try:
     parse_refresh_below(args.refresh_below)
   except ValueError:
@@ -208,6 +216,32 @@ def parse_refresh_below(text: str) -> "float | None":
   return value
 
 
+def send_whole_paths(text: str, order) -> list[str]:
+  """``--send-whole``: leaf paths (comma-separated), or 'head' for the output layer.
+
+  Args:
+    text: the flag's value; '' gives no path.
+    order: every leaf path in backward order (names the output layer, and
+      checks the paths).
+
+  Raises:
+    SystemExit: naming a path the model does not have.
+  """
+  from dlgs_jax import grouping
+
+  names = [name.strip() for name in text.split(",") if name.strip()]
+  paths = []
+  for name in names:
+    found = grouping.output_layer(order) if name == "head" else [name]
+    for path in found:
+      if path not in order:
+        raise SystemExit(f"dlgs-train: --send-whole {text!r}: the model has no leaf {path!r} "
+                         f"(its leaves: {', '.join(sorted(order))}; or 'head')")
+      if path not in paths:
+        paths.append(path)
+  return paths
+
+
 def refresh_below(args) -> "float | None":
   """DLGS's refresh rule from the checked flags: the fraction of k, or None (the paper's)."""
   return parse_refresh_below(args.refresh_below)
@@ -240,11 +274,13 @@ def build_optimizer(args, axis: str, schedule, groups, order, *, warmup_steps: i
     compressor = dlgs_jax.gtopk(args.density, axis_name=axis)
   elif args.method == "lags":
     compressor = dlgs_jax.lags(args.density, axis_name=axis, groups=groups, order=order,
-                               collective=args.collective, min_ndim=args.min_ndim)
+                               collective=args.collective, min_ndim=args.min_ndim,
+                               send_whole=send_whole_paths(args.send_whole, order))
   else:
     compressor = dlgs_jax.dlgs(args.density, axis_name=axis, reuse_every=args.reuse_every,
                                groups=groups, order=order, collective=args.collective,
-                               refresh_below=refresh_below(args), min_ndim=args.min_ndim)
+                               refresh_below=refresh_below(args), min_ndim=args.min_ndim,
+                               send_whole=send_whole_paths(args.send_whole, order))
   return optax.chain(
       compressor,
       optax.add_decayed_weights(args.weight_decay),
@@ -460,6 +496,9 @@ def train(args) -> int:
       "density": None if args.method in ("dense", "terngrad") else args.density,
       "reuse_every": args.reuse_every if args.method == "dlgs" else None,
       "collective": args.collective if args.method in ("lags", "dlgs") else None,
+      "min_ndim": args.min_ndim if args.method in ("lags", "dlgs") else None,
+      "send_whole": (send_whole_paths(args.send_whole, order)
+                     if args.method in ("lags", "dlgs") else None),
       "dgc_warmup_steps": warmup if args.method == "dgc" else None,
       "terngrad_clip": args.terngrad_clip if args.method == "terngrad" else None,
       "workers": workers, "batch_size": args.batch_size,

@@ -75,6 +75,13 @@ def _check_min_ndim(min_ndim) -> int:
   return int(min_ndim)
 
 
+def _check_send_whole(send_whole) -> frozenset:
+  if isinstance(send_whole, (str, bytes)) or not isinstance(send_whole, Sequence) or not all(
+      isinstance(path, str) for path in send_whole):
+    raise ValueError(f"send_whole must be a list of leaf paths, got {send_whole!r}")
+  return frozenset(send_whole)
+
+
 def _all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
   bad = sum(jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in leaves)
   if axis_name is not None:
@@ -120,7 +127,9 @@ def _sparse_transform(
   with_thresholds = select.kind == "threshold"
 
   def layout_of(tree):
-    return engine.make_layout(tree, groups, order, single_group=single_group)
+    layout = engine.make_layout(tree, groups, order, single_group=single_group)
+    select.check_paths(layout)
+    return layout
 
   def init_fn(params):
     layout = layout_of(params)
@@ -185,6 +194,7 @@ def dlgs(
     capacity_factor: float = 1.0,
     refresh_below: Optional[float] = 0.5,
     min_ndim: int = 0,
+    send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformation:
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
@@ -231,6 +241,10 @@ def dlgs(
     min_ndim: leaves with fewer dimensions are sent whole (every nonzero
       value, in the same message), as DGC does for biases and normalisation
       parameters; 0 (the paper): every leaf is sparsified.
+    send_whole: leaf paths (as `grouping.leaf_paths` writes them) sent whole,
+      every nonzero value in the same message: typically the classifier head
+      (`grouping.output_layer`), which a per-layer budget starves; () (the
+      paper): none. Checked against the tree at init.
     skip_nonfinite: skip steps with non-finite gradients (module docstring).
 
   Returns:
@@ -255,7 +269,7 @@ def dlgs(
   return _sparse_transform(
       engine.Selection("threshold", density, float(capacity_factor),
                        None if refresh_below is None else float(refresh_below),
-                       _check_min_ndim(min_ndim)),
+                       _check_min_ndim(min_ndim), _check_send_whole(send_whole)),
       _check_collective(collective), axis_name=axis_name, groups=groups,
       order=order, single_group=False, reuse_every=int(reuse_every),
       skip_nonfinite=skip_nonfinite)
@@ -269,6 +283,7 @@ def lags(
     order: Optional[Sequence[str]] = None,
     collective: str = "allgather",
     min_ndim: int = 0,
+    send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformation:
   """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
@@ -279,7 +294,8 @@ def lags(
   density = _check_density(density)
   groups, order = _check_groups(groups, order)
   return _sparse_transform(
-      engine.Selection("layer_topk", density, min_ndim=_check_min_ndim(min_ndim)),
+      engine.Selection("layer_topk", density, min_ndim=_check_min_ndim(min_ndim),
+                       whole_paths=_check_send_whole(send_whole)),
       _check_collective(collective),
       axis_name=axis_name, groups=groups, order=order, single_group=False,
       reuse_every=None, skip_nonfinite=skip_nonfinite)

@@ -47,6 +47,20 @@ def test_backward_order_sees_through_jit():
   assert layers == sorted(layers, reverse=True)
 
 
+def test_output_layer_is_the_module_whose_gradients_come_first():
+  model = Deep()
+  x = jnp.ones((2, 3))
+  params = model.init(jax.random.key(0), x)
+  order = grouping.backward_order(lambda p, x: model.apply(p, x), params, x)
+  assert sorted(grouping.output_layer(order)) == ["params/Dense_11/bias",
+                                                  "params/Dense_11/kernel"]
+  # Dense_1 is not Dense_11's prefix: modules are matched whole.
+  assert grouping.output_layer(["a/Dense_1/kernel", "a/Dense_11/kernel", "a/Dense_1/bias"]) == [
+      "a/Dense_1/kernel", "a/Dense_1/bias"]
+  with pytest.raises(ValueError, match="no parameters"):
+    grouping.output_layer([])
+
+
 def test_resolve_groups_default_and_errors():
   paths = ["a", "b", "c"]
   assert grouping.resolve_groups(paths, None) == [[2], [1], [0]]

@@ -161,6 +161,8 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--refresh-below", "half"], "--refresh-below 'half' is invalid"),
     (["--min-ndim", "-1"], "--min-ndim -1 is invalid"),
     (["--method", "topk", "--min-ndim", "2"], "applies to lags and dlgs, not topk"),
+    (["--method", "dgc", "--send-whole", "head"], "--send-whole 'head' is invalid: applies to "
+     "lags and dlgs, not dgc"),
     (["--lr-decay-epochs", "a,b"], "--lr-decay-epochs 'a,b' is invalid"),
 ])
 def test_bad_flags_are_named(flags, message):
@@ -168,6 +170,34 @@ def test_bad_flags_are_named(flags, message):
     args = train.parse_args(flags)
     train.check_args(args)
     train.decay_boundaries(args, 10, 100)
+
+
+def test_send_whole_names_the_head_or_given_leaves_and_rejects_unknown_ones():
+  order = ["Dense_1/bias", "Dense_1/kernel", "Conv_0/kernel", "Dense_0/kernel"]
+  assert train.send_whole_paths("", order) == []
+  assert train.send_whole_paths("head", order) == ["Dense_1/bias", "Dense_1/kernel"]
+  assert train.send_whole_paths("Conv_0/kernel, head,Dense_1/bias", order) == [
+      "Conv_0/kernel", "Dense_1/bias", "Dense_1/kernel"]
+  with pytest.raises(SystemExit, match="no leaf 'Conv_0/bias'"):
+    train.send_whole_paths("head,Conv_0/bias", order)
+
+
+def test_send_whole_head_sends_the_classifier_whole(tmp_path):
+  """SmallCNN's head (128x10 + 10) rides whole in DLGS's message: the bytes show it."""
+  density, workers = 0.05, 2
+  result = run_cli([*SMALL, "--method", "dlgs", "--send-whole", "head", "--density",
+                    str(density), "--local-devices", str(workers), "--steps", "2",
+                    "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stderr[-3000:]
+  shapes = models.param_shapes("smallcnn")
+  paths = grouping.leaf_paths(shapes)
+  sizes = {p: int(np.prod(x.shape)) for p, x in zip(paths, jax.tree_util.tree_leaves(shapes))}
+  head = {"Dense_1/bias", "Dense_1/kernel"}
+  pairs = sum(n if p in head else max(1, int(np.ceil(density * n))) for p, n in sizes.items())
+  steps = [r for r in records(tmp_path) if "loss" in r]
+  assert steps[-1]["bytes_sent"] == pytest.approx((workers - 1) * 8 * pairs)
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["method"] == "dlgs"
 
 
 def test_learning_rate_schedule_divides_by_ten_at_four_and_six_sevenths():

@@ -295,6 +295,68 @@ def test_lags_min_ndim_matches_numpy_reference():
     residual = state.residuals
 
 
+HEAD = ["dense/bias", "dense/kernel"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=HEAD),
+    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD),
+    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD, order=ORDER,
+                          groups=[ORDER[:3], ORDER[3:]]),
+])
+def test_send_whole_sends_named_leaves_whole(make):
+  """The head arrives as the exact mean; the other leaves stay sparse; nothing is lost."""
+  rng = np.random.default_rng(18)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
+  updates, _, states = run_steps(make(), PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  for grads, update, state in zip(steps, updates, states):
+    for name in ("bias", "kernel"):
+      want = (np.asarray(grads["dense"][name]) + np.asarray(residual["dense"][name])).mean(0)
+      np.testing.assert_allclose(np.asarray(update["dense"][name])[0], want,
+                                 rtol=1e-5, atol=1e-6)
+      assert not np.any(np.asarray(state.residuals["dense"][name]))
+    kernel = np.asarray(update["conv"]["kernel"])[0]
+    assert 0 < np.count_nonzero(kernel) <= W * int(np.ceil(0.2 * kernel.size))
+    assert np.any(np.asarray(state.residuals["conv"]["kernel"]))
+    np.testing.assert_allclose(
+        W * flat_workers(update)[0] + flat_workers(state.residuals).sum(0),
+        (flat_workers(grads) + flat_workers(residual)).sum(0), rtol=1e-5, atol=1e-5)
+    residual = state.residuals
+
+
+def test_lags_send_whole_matches_numpy_reference():
+  tx = dlgs_jax.lags(0.2, axis_name="data", send_whole=["dense/kernel"])
+  rng = np.random.default_rng(19)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(2)]
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  head_size = PARAMS["dense"]["kernel"].size
+  assert head_size not in {x.size for x in jax.tree_util.tree_leaves(PARAMS["conv"])}
+  for grads, update, state in zip(steps, updates, states):
+    mean, new_res = numpy_allgather_sparse_step(
+        grads, residual, 0.2, lambda n: n if n == head_size else max(1, int(np.ceil(0.2 * n))))
+    np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
+    residual = state.residuals
+  # The message carries the head whole: k of the kernel is its size.
+  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
+  want = sum(s if s == head_size else int(np.ceil(0.2 * s)) for s in sizes)
+  assert int(states[0].stats.selected[0].sum()) == want
+
+
+@pytest.mark.parametrize("factory", [dlgs_jax.dlgs, dlgs_jax.lags])
+def test_send_whole_unknown_path_raises_at_init(factory):
+  with pytest.raises(ValueError, match="dense/kernl"):
+    factory(0.1, send_whole=["dense/kernl"]).init(PARAMS)
+
+
+@pytest.mark.parametrize("send_whole", ["dense/kernel", [3], None])
+def test_send_whole_must_be_a_list_of_paths(send_whole):
+  with pytest.raises(ValueError, match="send_whole"):
+    dlgs_jax.dlgs(0.1, send_whole=send_whole)
+
+
 def test_dlgs_with_reuse_one_equals_lags():
   rng = np.random.default_rng(7)
   steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
