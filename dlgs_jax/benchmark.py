@@ -46,6 +46,9 @@ def parse_args(argv=None):
                       help="DLGS refresh rule, as in dlgs-train ('none': the paper's schedule)")
   parser.add_argument("--min-ndim", type=int, default=0,
                       help="DLGS/LAGS: leaves with fewer dimensions sent whole, as in dlgs-train")
+  parser.add_argument("--send-whole", default="",
+                      help="DLGS/LAGS: leaves sent whole ('head': the output layer), as in "
+                      "dlgs-train")
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--image-size", type=int)
   parser.add_argument("--plan", help="plan JSON giving the method's groups")
@@ -78,7 +81,8 @@ def main(argv=None) -> int:
   settings = train.parse_args(["--method", args.method, "--density", str(args.density),
                                "--reuse-every", str(args.reuse_every),
                                "--refresh-below", args.refresh_below,
-                               "--min-ndim", str(args.min_ndim)])
+                               "--min-ndim", str(args.min_ndim),
+                               "--send-whole", args.send_whole])
   train.check_args(settings)
   mesh = parallel.data_mesh()
   workers = int(mesh.devices.size)

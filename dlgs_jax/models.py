@@ -165,3 +165,13 @@ def param_shapes(name: str, *, num_classes: int | None = None, image_size: int |
   sample = jax.ShapeDtypeStruct((1,) + shape, jnp.float32)
   variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(sample.shape), train=False))
   return variables["params"]
+
+
+def leaf_shapes(name: str, *, num_classes: int | None = None, image_size: int | None = None
+                ) -> dict[str, tuple[int, ...]]:
+  """Leaf path (as `grouping.leaf_paths` writes it) -> shape of `name`'s parameters."""
+  import jax
+  from dlgs_jax import grouping
+  params = param_shapes(name, num_classes=num_classes, image_size=image_size)
+  return dict(zip(grouping.leaf_paths(params),
+                  (tuple(x.shape) for x in jax.tree_util.tree_leaves(params))))

@@ -63,7 +63,10 @@ def optimal(profile: Profile, costs: MethodCosts) -> list[list[int]]:
   n = profile.num_layers
   backward = np.concatenate([[0.0], np.cumsum(profile.t_backward)])
   sizes = np.concatenate([[0], np.cumsum(profile.sizes)])
-  # Cost of a group [j, m) depends only on its size: precompute per (j, m).
+  # LAGS/DLGS layers sent whole ride in their group's message at full size.
+  whole = np.concatenate([[0], np.cumsum(
+      [n if costs.in_message(i) else 0 for i, n in enumerate(profile.sizes)])])
+  # Cost of a group [j, m) depends only on its sizes: precompute per (j, m).
   # states[j] = arrays (compute clock, comm clock, parent j, parent index).
   states: list[Optional[tuple[np.ndarray, ...]]] = [None] * (n + 1)
   states[0] = (np.asarray([profile.t_forward]), np.asarray([0.0]),
@@ -73,8 +76,9 @@ def optimal(profile: Profile, costs: MethodCosts) -> list[list[int]]:
     for j in range(m):
       t0, c0, _, _ = states[j]
       size = int(sizes[m] - sizes[j])
+      in_message = int(whole[m] - whole[j])
       t_s = costs.sparsify_time(profile, size)
-      t_c = costs.comm_time(profile, size)
+      t_c = costs.comm_time(profile, size - in_message, in_message)
       t1 = t0 + (backward[m] - backward[j]) + t_s
       c1 = np.maximum(t1, c0) + t_c
       if not profile.overlap:
@@ -203,7 +207,8 @@ def dlgs_exact_fraction(profile: Profile, method: str,
 
 
 def make_plan(profile: Profile, method: str, density: float, planner: str, *,
-              exact_fraction: Optional[float] = None) -> Plan:
+              exact_fraction: Optional[float] = None,
+              whole_layers: Sequence[int] = ()) -> Plan:
   """Runs `planner` on `profile` for `method` and packages the result.
 
   Args:
@@ -214,6 +219,8 @@ def make_plan(profile: Profile, method: str, density: float, planner: str, *,
     exact_fraction: DLGS: share of thresholds computed exactly per step (see
       `MethodCosts.exact_fraction`; pass ``profile.dlgs_exact_fraction`` when
       the refresh rule is on); None: the fixed schedule's amortised cost.
+    whole_layers: LAGS/DLGS: layers (positions in the profile's order) sent
+      whole (`MethodCosts.whole_layers`).
 
   Raises:
     ValueError: for an unknown method or planner, or a bad density.
@@ -224,7 +231,8 @@ def make_plan(profile: Profile, method: str, density: float, planner: str, *,
     raise ValueError(f"unknown planner {planner!r}; choose from {PLANNERS}")
   if not 0.0 < density <= 1.0:
     raise ValueError(f"density must be in (0, 1], got {density!r}")
-  costs = MethodCosts(method, density, exact_fraction=exact_fraction)
+  costs = MethodCosts(method, density, exact_fraction=exact_fraction,
+                      whole_layers=frozenset(whole_layers))
   groups = PLANNER_FUNCTIONS[planner](profile, costs)
   timeline = simulate(profile, groups, costs)
   return Plan(

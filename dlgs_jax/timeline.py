@@ -29,6 +29,8 @@ MODELLED = METHODS + ("dgc", "terngrad")
 # DGC's buffer per sparsified leaf is ceil(DGC_BAND_UPPER * k) pairs
 # (`deep_gradient_compression.dgc`'s default band).
 DGC_BAND_UPPER = 1.3
+# Methods that can send some layers whole (`MethodCosts.whole_layers`).
+WHOLE_LAYER_METHODS = ("lags", "dlgs", "dgc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,10 +180,11 @@ class MethodCosts:
       ``f * sparsify["dlgs_exact"] + (1 - f) * sparsify["dlgs_reuse"]``;
       None uses the profile's "dlgs" cost, amortised over the fixed schedule.
       Pass ``profile.dlgs_exact_fraction`` for DLGS with the refresh rule.
-    whole_layers: DGC only: layers (positions in backward order) sent whole,
-      by one fused all-reduce after the sparse messages (leaves of fewer than
-      ``min_ndim`` dimensions); `simulate` leaves them out of their groups'
-      sparse messages.
+    whole_layers: layers (positions in backward order) sent whole. DGC: by
+      one fused all-reduce after the sparse messages (leaves of fewer than
+      ``min_ndim`` dimensions), so `simulate` leaves them out of their groups'
+      sparse messages. LAGS and DLGS (``min_ndim``, ``send_whole``): as every
+      value of the layer, in its group's message.
   """
   method: str
   density: float
@@ -200,8 +203,9 @@ class MethodCosts:
     if fraction is not None and self.method != "dlgs":
       raise ValueError(f"exact_fraction applies to dlgs only, not {self.method!r}")
     object.__setattr__(self, "whole_layers", frozenset(self.whole_layers))
-    if self.whole_layers and self.method != "dgc":
-      raise ValueError(f"whole_layers applies to dgc only, not {self.method!r}")
+    if self.whole_layers and self.method not in WHOLE_LAYER_METHODS:
+      raise ValueError(
+          f"whole_layers applies to {WHOLE_LAYER_METHODS} only, not {self.method!r}")
 
   def sparsify_time(self, profile: Profile, size: int) -> float:
     if size <= 0:
@@ -217,9 +221,20 @@ class MethodCosts:
     cost = profile.sparsify.get(self.method)
     return 0.0 if cost is None else cost(size)
 
-  def comm_bytes(self, profile: Profile, size: int) -> float:
-    """Bytes the busiest worker sends for one message of `size` elements."""
+  def comm_bytes(self, profile: Profile, size: int, whole: int = 0) -> float:
+    """Bytes the busiest worker sends for one message.
+
+    Args:
+      profile: gives the worker count.
+      size: elements of the message's sparsified layers.
+      whole: LAGS/DLGS: elements of its layers sent whole (`whole_layers`).
+    """
     p = profile.workers
+    if whole and self.method not in ("lags", "dlgs"):
+      raise ValueError(f"{self.method!r} sends no whole layers inside a message")
+    if whole > 0:
+      k = selection.num_to_keep(self.density, size) if size > 0 else 0
+      return wire.allgather_bytes(k + whole, p)
     if size <= 0:
       return 0.0
     if self.method == "dense":
@@ -233,11 +248,16 @@ class MethodCosts:
       return wire.allgather_bytes(min(size, math.ceil(DGC_BAND_UPPER * k)), p)
     return wire.allgather_bytes(k, p)
 
-  def comm_time(self, profile: Profile, size: int) -> float:
-    if profile.workers <= 1 or size <= 0:
+  def comm_time(self, profile: Profile, size: int, whole: int = 0) -> float:
+    """Seconds of one message (arguments as `comm_bytes`)."""
+    if profile.workers <= 1 or size + whole <= 0:
       return 0.0
     kind = {"dense": "allreduce", "gtopk": "gtopk"}.get(self.method, "allgather")
-    return _collective(profile, kind)(self.comm_bytes(profile, size))
+    return _collective(profile, kind)(self.comm_bytes(profile, size, whole))
+
+  def in_message(self, layer: int) -> bool:
+    """Whether `layer` is sent whole inside its group's message (LAGS/DLGS)."""
+    return self.method != "dgc" and layer in self.whole_layers
 
 
 def layers_below_ndim(profile: Profile, shapes: dict[str, Sequence[int]], min_ndim: int
@@ -323,18 +343,22 @@ def simulate(profile: Profile, groups: Sequence[Sequence[int]], costs: MethodCos
   whole = 0  # elements DGC sends by its final all-reduce
   for group in groups:
     size = 0
+    in_message = 0  # LAGS/DLGS: elements of whole layers inside this message
     for layer in group:
       backward_start[layer] = compute_clock
       compute_clock += profile.t_backward[layer]
-      if layer in costs.whole_layers:
+      if costs.in_message(layer):
+        in_message += profile.sizes[layer]
+      elif layer in costs.whole_layers:
         whole += profile.sizes[layer]
       else:
         size += profile.sizes[layer]
-    t_s = costs.sparsify_time(profile, size)
+    # The update still passes over the whole layers (residual, packing).
+    t_s = costs.sparsify_time(profile, size + in_message)
     s_start.append(compute_clock)
     s_time.append(t_s)
     compute_clock += t_s
-    t_c = costs.comm_time(profile, size)
+    t_c = costs.comm_time(profile, size, in_message)
     start = max(compute_clock, comm_clock)
     c_start.append(start)
     c_time.append(t_c)

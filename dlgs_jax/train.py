@@ -242,6 +242,24 @@ def send_whole_paths(text: str, order) -> list[str]:
   return paths
 
 
+def whole_layers(args, order, shapes) -> frozenset:
+  """Positions in `order` of the leaves lags/dlgs send whole (``--min-ndim``, ``--send-whole``).
+
+  For `timeline.MethodCosts.whole_layers`: the planner and the benchmark's
+  prediction price those leaves at full size in their group's message.
+
+  Args:
+    args: checked flags.
+    order: every leaf path in backward order (a profile's ``paths``).
+    shapes: leaf path -> shape.
+  """
+  if args.method not in ("lags", "dlgs"):
+    return frozenset()
+  named = set(send_whole_paths(args.send_whole, order))
+  return frozenset(i for i, path in enumerate(order)
+                   if path in named or len(shapes[path]) < args.min_ndim)
+
+
 def refresh_below(args) -> "float | None":
   """DLGS's refresh rule from the checked flags: the fraction of k, or None (the paper's)."""
   return parse_refresh_below(args.refresh_below)
@@ -327,7 +345,7 @@ def backward_order_of(model, params, batch_stats, sample_shape):
 
 def make_or_load_plan(args, mesh, paths, workers, log):
   """The plan every process uses (made on process 0 and broadcast), or None."""
-  from dlgs_jax import planner, profiler
+  from dlgs_jax import models, planner, profiler
   from dlgs_jax.timeline import Profile
 
   if args.plan:
@@ -361,8 +379,10 @@ def make_or_load_plan(args, mesh, paths, workers, log):
       if fraction is not None:
         log(f"DLGS refresh rule: {fraction:.0%} of thresholds computed exactly per step "
             "(measured); the planner prices DLGS at that rate")
+      shapes = models.leaf_shapes(args.model, image_size=args.image_size)
       plan = planner.make_plan(profile, args.method, args.density, args.planner,
-                               exact_fraction=fraction)
+                               exact_fraction=fraction,
+                               whole_layers=whole_layers(args, profile.paths, shapes))
     plan = planner.broadcast_plan(plan)
   if plan.method != args.method:
     raise SystemExit(f"dlgs-train: the plan was made for method {plan.method!r}, "

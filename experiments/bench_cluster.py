@@ -32,10 +32,13 @@ from pathlib import Path
 from dlgs_jax.train import DENSITY_FREE, configurations, variant
 
 HERE = Path(__file__).resolve().parent
-PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs", "dlgs-paper", "dgc", "terngrad")
+PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs", "dlgs-paper", "dlgs-head", "lags-head",
+               "dlgs-whole1d", "lags-whole1d", "dgc", "terngrad")
 # How each method's messages are grouped: planned (dense fusion, DLGS merging)
 # or fixed by the method (one per leaf, one for everything).
-GROUPING = {"dense": "optimal", "dlgs": "optimal", "dlgs-paper": "optimal", "lags": "wfbp",
+GROUPING = {"dense": "optimal", "dlgs": "optimal", "dlgs-paper": "optimal",
+            "dlgs-head": "optimal", "dlgs-whole1d": "optimal", "lags": "wfbp",
+            "lags-head": "wfbp", "lags-whole1d": "wfbp",
             "topk": "single", "gtopk": "single", "dgc": "wfbp", "terngrad": "wfbp"}
 # Small all-reduces every train step pays besides the gradient messages.
 FIXED_COLLECTIVES = 2
@@ -54,9 +57,12 @@ def method_costs(method: str, density: float, profile, shapes):
   from dlgs_jax.timeline import MethodCosts, layers_below_ndim
 
   base, flags = variant(method)
-  # The variant's own flags say whether the refresh rule is on (dlgs-paper: off).
-  refresh = train.refresh_below(train.parse_args(["--method", base, *flags]))
-  extra = {"exact_fraction": planner.dlgs_exact_fraction(profile, base, refresh)}
+  # The variant's own flags say whether the refresh rule is on (dlgs-paper: off)
+  # and which leaves go whole (dlgs-head, *-whole1d).
+  settings = train.parse_args(["--method", base, *flags])
+  refresh = train.refresh_below(settings)
+  extra = {"exact_fraction": planner.dlgs_exact_fraction(profile, base, refresh),
+           "whole_layers": train.whole_layers(settings, profile.paths, shapes)}
   if base == "dgc":
     extra["whole_layers"] = layers_below_ndim(profile, shapes, 2)
   return MethodCosts(base, 1.0 if base in DENSITY_FREE else density,
@@ -91,9 +97,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   if args.quick:
     args.models, args.methods, args.steps, args.warmup = "resnet20", "dense,topk,dlgs", 8, 2
-  import jax
-  from dlgs_jax import cluster, grouping, planner
-  from dlgs_jax.models import param_shapes
+  from dlgs_jax import cluster, planner
+  from dlgs_jax.models import leaf_shapes
   from dlgs_jax.timeline import Profile, simulate
 
   reason = cluster.unavailable_reason()
@@ -132,9 +137,7 @@ def main(argv=None) -> int:
           print(f"== {model}: profiling on the cluster at density {density:g}", flush=True)
           bench(["--profile-out", str(profile_path), "--density", str(density)])
         profile = Profile.load(profile_path)
-        params = param_shapes(model, image_size=args.image_size)
-        shapes = dict(zip(grouping.leaf_paths(params),
-                          (x.shape for x in jax.tree_util.tree_leaves(params))))
+        shapes = leaf_shapes(model, image_size=args.image_size)
         for method in methods:
           if (method, density) not in runs:
             continue
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
             if planned:
               if not args.predict_only:
                 planner.make_plan(profile, base, costs.density, how,
-                                  exact_fraction=costs.exact_fraction).save(plan_path)
+                                  exact_fraction=costs.exact_fraction,
+                                  whole_layers=costs.whole_layers).save(plan_path)
               plan_args = ["--plan", str(plan_path)]
           if args.predict_only:
             if not result_path.exists():

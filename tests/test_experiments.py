@@ -70,6 +70,11 @@ def test_bench_cluster_costs_every_method_as_the_benchmark_runs_it():
   assert dlgs.exact_fraction == 0.6 and paper.exact_fraction is None  # the fixed schedule
   assert paper.method == "dlgs" and paper.fixed_collectives == 2
   assert bench.method_costs("dgc", 0.01, profile, shapes).whole_layers == {1}
+  assert dlgs.whole_layers == frozenset()
+  # The profile's first layer in backward order is the head: dlgs-head sends it whole.
+  assert bench.method_costs("dlgs-head", 0.1, profile, shapes).whole_layers == {0}
+  assert bench.method_costs("lags-head", 0.1, profile, shapes).whole_layers == {0}
+  assert bench.method_costs("dlgs-whole1d", 0.1, profile, shapes).whole_layers == {1}
   assert bench.method_costs("terngrad", 0.01, profile, shapes).density == 1.0
   assert set(bench.GROUPING) == set(bench.PREDICTABLE)
 

@@ -34,6 +34,26 @@ def test_optimal_equals_brute_force_and_beats_the_others(seed):
     assert found <= other + 1e-15, name
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_equals_brute_force_with_layers_sent_whole(seed):
+  rng = np.random.default_rng(100 + seed)
+  layers = int(rng.integers(2, 12))
+  profile = random_profile(rng, layers, overlap=seed % 2 == 0)
+  whole = frozenset(int(i) for i in rng.choice(layers, size=max(1, layers // 3), replace=False))
+  costs = MethodCosts(["dlgs", "lags"][seed % 2], 0.01, whole_layers=whole)
+  best = simulate(profile, planner.brute_force(profile, costs), costs).t_iter
+  found = simulate(profile, planner.optimal(profile, costs), costs).t_iter
+  assert found == pytest.approx(best, rel=1e-12, abs=1e-15)
+  # make_plan prices the whole layers: its prediction is the model's with them,
+  # which sends more than the same groups all sparsified.
+  plan = planner.make_plan(profile, costs.method, 0.01, "optimal", whole_layers=whole)
+  index = {path: i for i, path in enumerate(profile.paths)}
+  groups = [[index[p] for p in g] for g in plan.groups]
+  assert plan.predicted == simulate(profile, groups, costs).breakdown()
+  plain = MethodCosts(costs.method, 0.01)
+  assert simulate(profile, groups, costs).comm > simulate(profile, groups, plain).comm
+
+
 def test_optimal_merges_small_layers_when_latency_dominates():
   sizes = [100] * 6
   profile = Profile(model="m", paths=[str(i) for i in range(6)], sizes=sizes, t_forward=0.0,

@@ -153,8 +153,27 @@ def test_dgc_sends_buffers_per_leaf_and_small_leaves_in_one_allreduce():
   assert tl.comm_time == [0.0, pytest.approx(sparse), 0.0, pytest.approx(fused)]
   assert tl.sparsify_time == [0.0, pytest.approx(1e-3 + 1e-7 * 20000), 0.0, 2e-4]
   assert tl.t_iter == pytest.approx(5.0 + 6.0 + sum(tl.sparsify_time) + sparse + fused)
-  with pytest.raises(ValueError, match="dgc only"):
-    MethodCosts("lags", 0.01, whole_layers={0})
+  with pytest.raises(ValueError, match="only, not 'topk'"):
+    MethodCosts("topk", 0.01, whole_layers={0})
+
+
+@pytest.mark.parametrize("method", ["lags", "dlgs"])
+def test_layerwise_whole_layers_ride_in_their_groups_message(method):
+  # Layer 0 (the head) whole: group [0, 1] carries 100 values + k(200) = 2 pairs.
+  profile = make_profile(sizes=(100, 200, 300), workers=4, overlap=False,
+                         sparsify={method: LinearCost(1.0, 1e-3)},
+                         comm={"allgather": LinearCost(2.0, 1e-4)})
+  costs = MethodCosts(method, 0.01, whole_layers={0})
+  tl = simulate(profile, [[0, 1], [2]], costs)
+  assert costs.comm_bytes(profile, 200, 100) == wire.allgather_bytes(102, 4)
+  assert costs.comm_bytes(profile, 0, 100) == wire.allgather_bytes(100, 4)
+  assert tl.comm_time == pytest.approx([2.0 + 1e-4 * 3 * 8 * 102, 2.0 + 1e-4 * 3 * 8 * 3])
+  # The update passes over the whole layer too.
+  assert tl.sparsify_time == pytest.approx([1.3, 1.3])
+  assert len(tl.comm_start) == 2  # no extra message, unlike DGC
+  assert tl.t_iter == pytest.approx(5.0 + 6.0 + sum(tl.sparsify_time) + sum(tl.comm_time))
+  with pytest.raises(ValueError, match="no whole layers"):
+    MethodCosts("topk", 0.01).comm_bytes(profile, 200, 100)
 
 
 def test_terngrad_sends_two_bits_per_value_and_pays_its_scaler_allreduce():
