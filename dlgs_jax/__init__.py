@@ -9,7 +9,7 @@ thresholds and planned layer merging (Ju et al., J. Xi'an Jiaotong Univ. 58(9),
 from dlgs_jax.collectives import (dense_mean, gtopk_indices, gtopk_mean, ring_allreduce,
                                   sparse_allgather_mean)
 from dlgs_jax.deep_gradient_compression import dgc
-from dlgs_jax.grouping import backward_order, leaf_paths
+from dlgs_jax.grouping import backward_order, leaf_paths, output_layer
 from dlgs_jax.state import (CommStats, DenseState, DGCState, DLGSState, SparseState,
                             TernGradState, comm_stats, stats_summary)
 from dlgs_jax.ternary import terngrad
@@ -21,6 +21,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CommStats", "DGCState", "DLGSState", "DenseState", "SparseState", "TernGradState",
     "backward_order", "comm_stats", "dense", "dense_mean", "dgc", "dlgs", "gtopk",
-    "gtopk_indices", "gtopk_mean", "lags", "leaf_paths", "ring_allreduce",
+    "gtopk_indices", "gtopk_mean", "lags", "leaf_paths", "output_layer", "ring_allreduce",
     "sparse_allgather_mean", "stats_summary", "terngrad", "topk", "wire",
 ]

@@ -248,74 +248,33 @@ def test_lags_matches_numpy_reference_over_steps():
     residual = state.residuals
 
 
-@pytest.mark.parametrize("make", [
-    lambda: dlgs_jax.lags(0.2, axis_name="data", min_ndim=2),
-    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1, min_ndim=2),
-    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, min_ndim=2, order=ORDER,
-                          groups=[ORDER[:2], ORDER[2:]]),
-])
-def test_min_ndim_sends_small_leaves_whole(make):
-  rng = np.random.default_rng(16)
-  steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
-  updates, _, states = run_steps(make(), PARAMS, steps, W)
-  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
-  for grads, update, state in zip(steps, updates, states):
-    # Biases: the exact mean over workers, nothing left behind.
-    for name in ("conv", "dense"):
-      want = (np.asarray(grads[name]["bias"]) + np.asarray(residual[name]["bias"])).mean(0)
-      np.testing.assert_allclose(np.asarray(update[name]["bias"])[0], want, rtol=1e-5, atol=1e-6)
-      assert not np.any(np.asarray(state.residuals[name]["bias"]))
-    # Kernels: still sparse, and nothing lost overall.
-    kernel = np.asarray(update["conv"]["kernel"])[0]
-    assert 0 < np.count_nonzero(kernel) <= W * int(np.ceil(0.2 * kernel.size))
-    np.testing.assert_allclose(
-        W * flat_workers(update)[0] + flat_workers(state.residuals).sum(0),
-        (flat_workers(grads) + flat_workers(residual)).sum(0), rtol=1e-5, atol=1e-5)
-    residual = state.residuals
-  # k of every bias is its size: the message carries them whole.
-  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
-  whole = [s if x.ndim < 2 else int(np.ceil(0.2 * s))
-           for s, x in zip(sizes, jax.tree_util.tree_leaves(PARAMS))]
-  assert int(states[0].stats.selected[0].sum()) == sum(whole)
-
-
-def test_lags_min_ndim_matches_numpy_reference():
-  tx = dlgs_jax.lags(0.2, axis_name="data", min_ndim=2)
-  rng = np.random.default_rng(17)
-  steps = [random_grads(PARAMS, W, rng) for _ in range(2)]
-  updates, _, states = run_steps(tx, PARAMS, steps, W)
-  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
-  vector_sizes = {x.size for x in jax.tree_util.tree_leaves(PARAMS) if x.ndim == 1}
-  for grads, update, state in zip(steps, updates, states):
-    mean, new_res = numpy_allgather_sparse_step(
-        grads, residual, 0.2,
-        lambda n: n if n in vector_sizes else max(1, int(np.ceil(0.2 * n))))
-    np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
-    residual = state.residuals
-
-
 HEAD = ["dense/bias", "dense/kernel"]
+BIASES = ["conv/bias", "dense/bias"]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=HEAD),
-    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD),
-    lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD, order=ORDER,
-                          groups=[ORDER[:3], ORDER[3:]]),
+@pytest.mark.parametrize("make,whole", [
+    (lambda: dlgs_jax.lags(0.2, axis_name="data", min_ndim=2), BIASES),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1, min_ndim=2), BIASES),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, min_ndim=2, order=ORDER,
+                           groups=[ORDER[:2], ORDER[2:]]), BIASES),
+    (lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=HEAD), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD, order=ORDER,
+                           groups=[ORDER[:3], ORDER[3:]]), HEAD),
 ])
-def test_send_whole_sends_named_leaves_whole(make):
-  """The head arrives as the exact mean; the other leaves stay sparse; nothing is lost."""
-  rng = np.random.default_rng(18)
+def test_leaves_sent_whole_arrive_exact_and_the_rest_stays_sparse(make, whole):
+  """min_ndim / send_whole leaves: the exact mean, no residual; nothing lost overall."""
+  rng = np.random.default_rng(16)
   steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
   updates, _, states = run_steps(make(), PARAMS, steps, W)
   residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
   for grads, update, state in zip(steps, updates, states):
-    for name in ("bias", "kernel"):
-      want = (np.asarray(grads["dense"][name]) + np.asarray(residual["dense"][name])).mean(0)
-      np.testing.assert_allclose(np.asarray(update["dense"][name])[0], want,
+    for path in whole:
+      module, name = path.split("/")
+      want = (np.asarray(grads[module][name]) + np.asarray(residual[module][name])).mean(0)
+      np.testing.assert_allclose(np.asarray(update[module][name])[0], want,
                                  rtol=1e-5, atol=1e-6)
-      assert not np.any(np.asarray(state.residuals["dense"][name]))
+      assert not np.any(np.asarray(state.residuals[module][name]))
     kernel = np.asarray(update["conv"]["kernel"])[0]
     assert 0 < np.count_nonzero(kernel) <= W * int(np.ceil(0.2 * kernel.size))
     assert np.any(np.asarray(state.residuals["conv"]["kernel"]))
@@ -323,26 +282,30 @@ def test_send_whole_sends_named_leaves_whole(make):
         W * flat_workers(update)[0] + flat_workers(state.residuals).sum(0),
         (flat_workers(grads) + flat_workers(residual)).sum(0), rtol=1e-5, atol=1e-5)
     residual = state.residuals
+  # k of a whole leaf is its size: the message carries it whole.
+  want = sum(x.size if path in whole else int(np.ceil(0.2 * x.size))
+             for path, x in zip(grouping.leaf_paths(PARAMS), jax.tree_util.tree_leaves(PARAMS)))
+  assert int(states[0].stats.selected[0].sum()) == want
 
 
-def test_lags_send_whole_matches_numpy_reference():
-  tx = dlgs_jax.lags(0.2, axis_name="data", send_whole=["dense/kernel"])
-  rng = np.random.default_rng(19)
+@pytest.mark.parametrize("kwargs,whole", [
+    ({"min_ndim": 2}, BIASES), ({"send_whole": ["dense/kernel"]}, ["dense/kernel"])])
+def test_lags_with_whole_leaves_matches_numpy_reference(kwargs, whole):
+  tx = dlgs_jax.lags(0.2, axis_name="data", **kwargs)
+  rng = np.random.default_rng(17)
   steps = [random_grads(PARAMS, W, rng) for _ in range(2)]
   updates, _, states = run_steps(tx, PARAMS, steps, W)
   residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
-  head_size = PARAMS["dense"]["kernel"].size
-  assert head_size not in {x.size for x in jax.tree_util.tree_leaves(PARAMS["conv"])}
+  sizes = dict(zip(grouping.leaf_paths(PARAMS), (x.size for x in jax.tree_util.tree_leaves(PARAMS))))
+  assert len(set(sizes.values())) == len(sizes)  # a leaf is known by its size below
+  whole_sizes = {sizes[path] for path in whole}
   for grads, update, state in zip(steps, updates, states):
     mean, new_res = numpy_allgather_sparse_step(
-        grads, residual, 0.2, lambda n: n if n == head_size else max(1, int(np.ceil(0.2 * n))))
+        grads, residual, 0.2,
+        lambda n: n if n in whole_sizes else max(1, int(np.ceil(0.2 * n))))
     np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
     residual = state.residuals
-  # The message carries the head whole: k of the kernel is its size.
-  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
-  want = sum(s if s == head_size else int(np.ceil(0.2 * s)) for s in sizes)
-  assert int(states[0].stats.selected[0].sum()) == want
 
 
 @pytest.mark.parametrize("factory", [dlgs_jax.dlgs, dlgs_jax.lags])
