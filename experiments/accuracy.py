@@ -36,10 +36,11 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="resnet20")
   parser.add_argument("--methods", default="dense,topk,lags,gtopk,dlgs,dlgs-paper,"
-                      "dlgs-whole1d,lags-whole1d",
+                      "dlgs-whole1d,lags-whole1d,dlgs-head,lags-head",
                       help="dlgs-train methods, or a variant: dlgs-paper (the paper's fixed "
                       "threshold schedule, --refresh-below none), dlgs-whole1d / lags-whole1d "
-                      "(biases and BatchNorm parameters sent whole, --min-ndim 2)")
+                      "(biases and BatchNorm parameters sent whole, --min-ndim 2), dlgs-head / "
+                      "lags-head (the classifier head sent whole, --send-whole head)")
   parser.add_argument("--densities", default="0.1,0.01")
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--epochs", type=int, default=20)

@@ -72,9 +72,11 @@ def method_costs(method: str, density: float, profile, shapes):
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="resnet20,vgg16")
-  parser.add_argument("--methods", default="dense,topk,lags,gtopk,dlgs,dlgs-paper,dgc,terngrad",
-                      help="benchmark methods, or dlgs-paper: DLGS with the paper's fixed "
-                      "threshold schedule (--refresh-below none)")
+  parser.add_argument("--methods",
+                      default="dense,topk,lags,gtopk,dlgs,dlgs-paper,dlgs-head,dgc,terngrad",
+                      help="benchmark methods, or a variant of dlgs-train's (dlgs-paper: the "
+                      "paper's fixed threshold schedule; dlgs-head: the classifier head sent "
+                      "whole; ...-whole1d: biases and BatchNorm parameters sent whole)")
   parser.add_argument("--densities", default="0.01")
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--bandwidth", default="1gbit")
