@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,32 @@ def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   assert "| sparsify |" not in done.stdout
   assert (tmp_path / "scaling" / "scaling_density0.01.json").exists()
   assert any((tmp_path / "ring").iterdir())
+
+
+def test_budget_share_measures_where_global_topk_sends_and_the_head_variant(tmp_path):
+  share = load("budget_share")
+  assert share.main(["--model", "smallcnn", "--density", "0.1", "--steps", "3",
+                     "--batch-size", "16", "--methods", "topk,lags-head,dense",
+                     "--out-dir", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "budget_share.json").read_text())
+  sizes, order, runs = result["sizes"], result["order"], result["runs"]
+  assert order[0].startswith("Dense_1/") and sorted(order) == sorted(sizes)
+  # Global Top-k sends exactly k = ceil(0.1 * n) values per step, spread over the leaves.
+  k = math.ceil(0.1 * sum(sizes.values()))
+  sent = sum(runs["topk"]["fractions"][p] * sizes[p] for p in order)
+  assert sent == pytest.approx(k, rel=1e-3)
+  # lags-head: every other leaf gets at most its k_l; the head far more.
+  head = {"Dense_1/bias", "Dense_1/kernel"}
+  for path in order:
+    fraction = runs["lags-head"]["fractions"][path]
+    if path in head:
+      assert fraction > 0.5
+    else:
+      assert fraction <= math.ceil(0.1 * sizes[path]) / sizes[path] + 1e-6
+  for run in runs.values():
+    assert len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"])
+  table = (tmp_path / "budget_share.md").read_text()
+  assert "| topk |" in table and f"| {order[0]} | {sizes[order[0]]} |" in table
+  assert (tmp_path / "budget_share.png").stat().st_size > 10_000
+  with pytest.raises(SystemExit, match="gtopk"):
+    share.compressor("gtopk", 0.1, order)
