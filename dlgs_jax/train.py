@@ -269,7 +269,54 @@ def dgc_warmup_steps(args, steps_per_epoch: int, total_steps: int) -> int:
   return min(int(round(args.dgc_warmup_epochs * steps_per_epoch)), total_steps // 4)
 
 
-def build_optimizer(args, axis: str, schedule, groups, order, *, warmup_steps: int = 0):
+def build_compressor(args, axis: "str | None", groups, order):
+  """The gradient compressor `args.method` names, configured from the checked flags.
+
+  Args:
+    args: checked ``dlgs-train`` flags (`check_args`).
+    axis: the data-parallel mesh axis, or None for one worker outside ``shard_map``.
+    groups: layer groups (lists of parameter paths) for dense, lags and dlgs, or None for
+      one group per leaf (dense: one message).
+    order: parameter paths in the order their gradients become ready.
+
+  Returns:
+    The compressing ``optax.GradientTransformation``. DGC is not built here: it holds the
+    momentum, so `build_optimizer` composes its chain differently.
+  """
+  import dlgs_jax
+
+  if args.method == "terngrad":
+    return dlgs_jax.terngrad(axis_name=axis, clip=args.terngrad_clip or None, seed=args.seed)
+  if args.method == "dense":
+    return dlgs_jax.dense(axis_name=axis, groups=groups or [list(order)], order=order)
+  if args.method == "topk":
+    return dlgs_jax.topk(args.density, axis_name=axis)
+  if args.method == "gtopk":
+    return dlgs_jax.gtopk(args.density, axis_name=axis)
+  if args.method == "lags":
+    return dlgs_jax.lags(args.density, axis_name=axis, groups=groups, order=order,
+                         collective=args.collective, min_ndim=args.min_ndim,
+                         send_whole=send_whole_paths(args.send_whole, order))
+  if args.method == "dlgs":
+    return dlgs_jax.dlgs(args.density, axis_name=axis, reuse_every=args.reuse_every,
+                         groups=groups, order=order, collective=args.collective,
+                         refresh_below=refresh_below(args), min_ndim=args.min_ndim,
+                         send_whole=send_whole_paths(args.send_whole, order))
+  raise ValueError(f"build_compressor: method {args.method!r} has no stand-alone compressor "
+                   f"(one of {', '.join(m for m in METHODS if m != 'dgc')})")
+
+
+def build_optimizer(args, axis: "str | None", schedule, groups, order, *, warmup_steps: int = 0):
+  """The whole optimizer: compressor, weight decay, SGD (DGC: decay, DGC, plain SGD).
+
+  Args:
+    args, axis, groups, order: as for `build_compressor`.
+    schedule: learning rate, a number or an optax schedule.
+    warmup_steps: DGC's density warm-up (`dgc_warmup_steps`); ignored by other methods.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose updates are added to the parameters.
+  """
   import optax
   import dlgs_jax
 
@@ -281,26 +328,8 @@ def build_optimizer(args, axis: str, schedule, groups, order, *, warmup_steps: i
         dlgs_jax.dgc(args.density, axis_name=axis, momentum=args.momentum,
                      warmup_steps=warmup_steps, seed=args.seed),
         optax.sgd(schedule))
-  if args.method == "terngrad":
-    compressor = dlgs_jax.terngrad(axis_name=axis, clip=args.terngrad_clip or None,
-                                   seed=args.seed)
-  elif args.method == "dense":
-    compressor = dlgs_jax.dense(axis_name=axis, groups=groups or [list(order)], order=order)
-  elif args.method == "topk":
-    compressor = dlgs_jax.topk(args.density, axis_name=axis)
-  elif args.method == "gtopk":
-    compressor = dlgs_jax.gtopk(args.density, axis_name=axis)
-  elif args.method == "lags":
-    compressor = dlgs_jax.lags(args.density, axis_name=axis, groups=groups, order=order,
-                               collective=args.collective, min_ndim=args.min_ndim,
-                               send_whole=send_whole_paths(args.send_whole, order))
-  else:
-    compressor = dlgs_jax.dlgs(args.density, axis_name=axis, reuse_every=args.reuse_every,
-                               groups=groups, order=order, collective=args.collective,
-                               refresh_below=refresh_below(args), min_ndim=args.min_ndim,
-                               send_whole=send_whole_paths(args.send_whole, order))
   return optax.chain(
-      compressor,
+      build_compressor(args, axis, groups, order),
       optax.add_decayed_weights(args.weight_decay),
       optax.sgd(schedule, momentum=args.momentum or None, nesterov=args.nesterov))
 

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# On one worker gTop-k is Top-k, and DGC and TernGrad change values rather than choose them.
+SUPPORTED = ("dense", "topk", "lags", "dlgs")
 
 
 def parse_args(argv=None):
@@ -48,24 +50,14 @@ def parse_args(argv=None):
 
 def compressor(method: str, density: float, order):
   """The transform `method` (or a dlgs-train variant) stands for, on one worker."""
-  import dlgs_jax
   from dlgs_jax import train
 
   base, flags = train.variant(method)
+  if base not in SUPPORTED:
+    raise SystemExit(f"--methods: {method!r} is not {', '.join(SUPPORTED)} or a variant of them")
   settings = train.parse_args(["--method", base, "--density", str(density), *flags])
   train.check_args(settings)
-  whole = train.send_whole_paths(settings.send_whole, order)
-  if base == "dense":
-    return dlgs_jax.dense()
-  if base == "topk":
-    return dlgs_jax.topk(density)
-  if base == "lags":
-    return dlgs_jax.lags(density, min_ndim=settings.min_ndim, send_whole=whole)
-  if base == "dlgs":
-    return dlgs_jax.dlgs(density, reuse_every=settings.reuse_every,
-                         refresh_below=train.refresh_below(settings),
-                         min_ndim=settings.min_ndim, send_whole=whole)
-  raise SystemExit(f"--methods: {method!r} is not dense, topk, lags, dlgs or a variant of them")
+  return train.build_compressor(settings, None, None, order)
 
 
 def train_one(args, method: str):

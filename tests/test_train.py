@@ -200,6 +200,37 @@ def test_send_whole_head_sends_the_classifier_whole(tmp_path):
   assert summary["method"] == "dlgs"
 
 
+def test_build_compressor_configures_the_method_from_the_flags():
+  """dlgs with --send-whole head on one worker: the head whole, every other leaf its top k."""
+  args = train.parse_args(["--method", "dlgs", "--density", "0.05", "--send-whole", "head"])
+  train.check_args(args)
+  shapes = models.param_shapes("smallcnn")
+  paths = grouping.leaf_paths(shapes)
+  leaves = jax.tree_util.tree_leaves(shapes)
+  rng = np.random.default_rng(0)
+  grads = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(shapes),
+      [rng.standard_normal(x.shape).astype(np.float32) for x in leaves])
+  order = list(reversed(paths))
+  tx = train.build_compressor(args, None, None, order)
+  sent, _ = jax.jit(tx.update)(grads, tx.init(grads))
+  head = set(train.send_whole_paths("head", order))
+  for path, g, s in zip(paths, jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(sent)):
+    g, s = np.asarray(g).ravel(), np.asarray(s).ravel()
+    if path in head:
+      np.testing.assert_array_equal(s, g)
+      continue
+    k = max(1, int(np.ceil(0.05 * g.size)))
+    chosen = np.flatnonzero(s)
+    assert len(chosen) == k, path
+    np.testing.assert_array_equal(s[chosen], g[chosen])
+    assert np.abs(g[chosen]).min() >= np.sort(np.abs(g))[-k], path
+
+  args = train.parse_args(["--method", "dgc"])
+  with pytest.raises(ValueError, match="'dgc'"):
+    train.build_compressor(args, None, None, order)
+
+
 def test_learning_rate_schedule_divides_by_ten_at_four_and_six_sevenths():
   args = train.parse_args([])
   assert train.decay_boundaries(args, 10, 1400) == [800, 1200]  # 80 and 120 of 140 epochs
