@@ -37,6 +37,9 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                               "32", "--densities", "0.01",
                               "--methods", "dense,topk,lags,gtopk,dlgs"]),
         ("accuracy", [e + "accuracy.py"]),
+        ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
+                           "--densities", "0.1", "--epochs", "60", "--out-dir",
+                           e + "results/accuracy_60ep", "--runs-dir", "runs/accuracy_60ep"]),
     ]
   return [
       ("sparsify", [e + "bench_sparsify.py", "--models", "resnet20", "--repeats", "3",
