@@ -61,10 +61,12 @@ def parse_args(argv=None):
 
 
 def train_command(args, method, density, workdir):
+  # Density-free methods (dense, terngrad) get no --density: their run, and so the
+  # command that decides whether a finished run is reused, is the same for every density.
+  density_flags = [] if method in DENSITY_FREE else ["--density", str(density)]
   method, extra = variant(method)
   command = [sys.executable, "-m", "dlgs_jax.train", "--model", args.model, "--method", method,
-             *extra,
-             "--density", str(density), "--epochs", str(args.epochs),
+             *extra, *density_flags, "--epochs", str(args.epochs),
              "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
              "--local-devices", str(args.workers), "--workers", str(args.workers),
              "--workdir", str(workdir), "--check-every", "0", "--keep", "1"]

@@ -108,6 +108,13 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   assert second.stdout.count("reusing") == 2
   assert json.loads((tmp_path / "out" / "results.json").read_text())["results"] == \
       results["results"]
+  # Dense does not depend on the density: another density reuses its run.
+  other = [*command[:command.index("--methods")], "--methods", "dense", "--densities", "0.05",
+           *command[command.index("--epochs"):]]
+  third = subprocess.run(other, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=600)
+  assert third.returncode == 0, third.stderr[-3000:]
+  assert third.stdout.count("reusing") == 1 and "dlgs_jax.train" not in third.stdout
 
 
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
