@@ -1,7 +1,7 @@
 """Accuracy of every method under the same training budget (the paper's Table 1, at our scale).
 
 Trains the same model with the same epochs, batch, learning-rate schedule and
-seed once per method and density with `dlgs-train` (one process, --workers
+seed once per method, density and seed with `dlgs-train` (one process, --workers
 simulated CPU devices; each device is one data-parallel worker, so the
 compressors see --workers different gradients exactly as on a cluster), then
 collects each run's per-epoch test accuracy and loss.
@@ -9,12 +9,15 @@ collects each run's per-epoch test accuracy and loss.
     python experiments/accuracy.py                         # ResNet-20, 4 workers, 0.1 and 0.01
     python experiments/accuracy.py --quick                 # 2 epochs, dense and dlgs only
     python experiments/accuracy.py --data-dir ~/data/cifar-10-batches-py --epochs 140
+    python experiments/accuracy.py --methods dense,dlgs-head --densities 0.1 --seeds 0,1,2
 
 Writes results.json, results.md and curves.png under --out-dir. A run whose
 summary already exists with the same settings is reused (runs take minutes
 each), unless --rerun. DLGS's layer grouping only changes how values are
 packed into collectives, not which values are sent, so runs use the default
 grouping; the timing benchmark (`bench_cluster.py`) uses planned groups.
+With several seeds the table gives each configuration's mean and sample
+standard deviation, and its gap to dense taken seed by seed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from dlgs_jax.train import DENSITY_FREE, configurations, variant
 
@@ -46,7 +51,9 @@ def parse_args(argv=None):
   parser.add_argument("--epochs", type=int, default=20)
   parser.add_argument("--batch-size", type=int, default=32, help="examples per worker per step")
   parser.add_argument("--lr", type=float, default=0.1)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seeds", "--seed", default="0",
+                      help="comma-separated seeds; with several, every configuration is "
+                      "trained once per seed and the table gives mean and spread")
   parser.add_argument("--data-dir", help="full CIFAR-10 (cifar-10-batches-py/); default: the "
                       "embedded subset")
   parser.add_argument("--quick", action="store_true", help="2 epochs, dense and dlgs at 0.1")
@@ -57,17 +64,28 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   if args.quick:
     args.methods, args.densities, args.epochs = "dense,dlgs", "0.1", 2
+  try:
+    args.seeds = [int(seed) for seed in args.seeds.split(",")]
+  except ValueError:
+    parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+  if len(set(args.seeds)) != len(args.seeds):
+    parser.error(f"--seeds repeats a seed: {args.seeds}")
   return args
 
 
-def train_command(args, method, density, workdir):
+def run_dir(runs: Path, model: str, name: str, seed: int) -> Path:
+  """Work directory of one run. Seed 0 keeps the single-seed layout, so its runs are reused."""
+  return runs / f"{model}_{name}" if seed == 0 else runs / f"seed{seed}" / f"{model}_{name}"
+
+
+def train_command(args, method, density, seed, workdir):
   # Density-free methods (dense, terngrad) get no --density: their run, and so the
   # command that decides whether a finished run is reused, is the same for every density.
   density_flags = [] if method in DENSITY_FREE else ["--density", str(density)]
   method, extra = variant(method)
   command = [sys.executable, "-m", "dlgs_jax.train", "--model", args.model, "--method", method,
              *extra, *density_flags, "--epochs", str(args.epochs),
-             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
+             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed),
              "--local-devices", str(args.workers), "--workers", str(args.workers),
              "--workdir", str(workdir), "--check-every", "0", "--keep", "1"]
   if args.data_dir:
@@ -95,10 +113,12 @@ def main(argv=None) -> int:
   methods = args.methods.split(",")
   densities = [float(d) for d in args.densities.split(",")]
   results = []
-  for method, density in configurations(methods, densities):
+  for seed, (method, density) in ((seed, configuration) for seed in args.seeds
+                                  for configuration in configurations(methods, densities)):
     name = method if method in DENSITY_FREE else f"{method}_{density:g}"
-    workdir = runs / f"{args.model}_{name}"
-    command = train_command(args, method, density, workdir)
+    workdir = run_dir(runs, args.model, name, seed)
+    label = name if len(args.seeds) == 1 else f"{name} seed {seed}"
+    command = train_command(args, method, density, seed, workdir)
     settings_file = workdir / "accuracy_command.json"
     done = ((workdir / "summary.json").exists() and settings_file.exists()
             and json.loads(settings_file.read_text()) == command[1:])
@@ -107,22 +127,22 @@ def main(argv=None) -> int:
         subprocess.run(["rm", "-rf", str(workdir)], check=True)
       workdir.mkdir(parents=True)
       settings_file.write_text(json.dumps(command[1:]))
-      print(f"== {name}: {' '.join(command[1:])}", flush=True)
+      print(f"== {label}: {' '.join(command[1:])}", flush=True)
       started = time.time()
       status = subprocess.run(command, cwd=ROOT).returncode
       if status != 0:
-        raise SystemExit(f"training {name} failed with status {status}")
-      print(f"== {name}: {time.time() - started:.0f} s", flush=True)
+        raise SystemExit(f"training {label} failed with status {status}")
+      print(f"== {label}: {time.time() - started:.0f} s", flush=True)
     else:
-      print(f"== {name}: reusing {workdir}", flush=True)
+      print(f"== {label}: reusing {workdir}", flush=True)
     epochs, summary = read_run(workdir)
     results.append({"method": method, "density": None if method in DENSITY_FREE else density,
-                    "epochs": epochs, "summary": summary,
+                    "seed": seed, "epochs": epochs, "summary": summary,
                     "command": "python -m dlgs_jax.train " + " ".join(command[3:])})
   meta = {"command": "python experiments/accuracy.py " + " ".join(
               sys.argv[1:] if argv is None else argv),
           "model": args.model, "workers": args.workers, "epochs": args.epochs,
-          "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+          "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
           "data": args.data_dir or "embedded CIFAR-10 subset (3,805 train / 761 test)"}
   (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
   table = markdown(results)
@@ -132,7 +152,23 @@ def main(argv=None) -> int:
   return 0
 
 
+def final_accuracy(run) -> float:
+  """Test accuracy after the last epoch, in percent."""
+  return run["epochs"][-1]["test_accuracy"] * 100
+
+
+def by_configuration(results) -> dict:
+  """Runs grouped by (method, density), in the order they were run, seeds in order."""
+  groups = {}
+  for r in results:
+    groups.setdefault((r["method"], r["density"]), []).append(r)
+  return groups
+
+
 def markdown(results) -> str:
+  """The results table: one row per run, or with several seeds one row per configuration."""
+  if len({r.get("seed", 0) for r in results}) > 1:
+    return markdown_seeds(results)
   dense = next((r for r in results if r["method"] == "dense"), None)
   lines = ["| method | density | final test acc | vs dense (points) | best test acc | final test "
            "loss | final train loss | MB sent/worker/step | minutes |",
@@ -154,6 +190,41 @@ def markdown(results) -> str:
   return "\n".join(lines)
 
 
+def markdown_seeds(results) -> str:
+  """Mean and sample standard deviation over seeds, and the paired gap to dense.
+
+  The gap to dense is taken seed by seed (same initialisation and data order)
+  before averaging, which removes the part of the seed-to-seed spread that both
+  runs share.
+  """
+  dense = {r["seed"]: final_accuracy(r) for r in results if r["method"] == "dense"}
+
+  def spread(values):
+    values = np.asarray(values, dtype=float)
+    sd = values.std(ddof=1) if len(values) > 1 else float("nan")
+    return f"{values.mean():.1f} ± {sd:.1f}"
+
+  lines = ["| method | density | seeds | final test acc (mean ± sd) | per seed | vs dense, paired "
+           "(points, mean ± sd) | final test loss | final train loss | MB sent/worker/step | "
+           "minutes |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for (method, density), runs in by_configuration(results).items():
+    accuracies = [final_accuracy(r) for r in runs]
+    gaps = [final_accuracy(r) - dense[r["seed"]] for r in runs if r["seed"] in dense]
+    sent = [r["summary"].get("bytes_sent_per_step") or r["summary"].get("dense_bytes_per_step")
+            for r in runs]
+    lines.append(
+        f"| {method} | {'-' if density is None else format(density, 'g')} | "
+        f"{','.join(str(r['seed']) for r in runs)} | {spread(accuracies)}% | "
+        f"{' / '.join(f'{a:.1f}' for a in accuracies)} | "
+        f"{spread(gaps) if len(gaps) == len(runs) else ''} | "
+        f"{np.mean([r['epochs'][-1]['test_loss'] for r in runs]):.3f} | "
+        f"{np.mean([r['epochs'][-1].get('train_loss', np.nan) for r in runs]):.3f} | "
+        f"{'' if None in sent else format(np.mean(sent) / 1e6, '.3f')} | "
+        f"{np.mean([r['summary']['seconds'] for r in runs]) / 60:.1f} |")
+  return "\n".join(lines)
+
+
 def plot(results, meta, path):
   import matplotlib
   matplotlib.use("Agg")
@@ -163,14 +234,18 @@ def plot(results, meta, path):
   densities = densities or [None]
   fig, axes = plt.subplots(2, len(densities), figsize=(5 * len(densities), 7), squeeze=False)
   for column, density in enumerate(densities):
-    shown = [r for r in results if r["density"] in (density, None)]
-    for r in shown:
-      epochs = [e["epoch"] + 1 for e in r["epochs"]]
-      style = {"color": "black", "linewidth": 2} if r["method"] == "dense" else {}
-      axes[0][column].plot(epochs, [e["test_accuracy"] * 100 for e in r["epochs"]],
-                           label=r["method"], **style)
-      axes[1][column].plot(epochs, [e.get("train_loss", float("nan")) for e in r["epochs"]],
-                           label=r["method"], **style)
+    for (method, run_density), runs in by_configuration(results).items():
+      if run_density not in (density, None):
+        continue
+      # Seeds of one configuration share the epoch count: the curves are their mean.
+      epochs = [e["epoch"] + 1 for e in runs[0]["epochs"]]
+      accuracy = np.mean([[e["test_accuracy"] * 100 for e in r["epochs"]] for r in runs], axis=0)
+      train_loss = np.mean([[e.get("train_loss", np.nan) for e in r["epochs"]] for r in runs],
+                           axis=0)
+      label = method if len(runs) == 1 else f"{method} (mean of {len(runs)} seeds)"
+      style = {"color": "black", "linewidth": 2} if method == "dense" else {}
+      axes[0][column].plot(epochs, accuracy, label=label, **style)
+      axes[1][column].plot(epochs, train_loss, label=label, **style)
     title = f"density {density:g}" if density is not None else ""
     axes[0][column].set_title(f"{meta['model']}, {meta['workers']} workers, {title}", fontsize=9)
     axes[0][column].set_ylabel("test accuracy (%)")

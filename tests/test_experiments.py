@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import child_env
@@ -115,6 +116,45 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
                          timeout=600)
   assert third.returncode == 0, third.stderr[-3000:]
   assert third.stdout.count("reusing") == 1 and "dlgs_jax.train" not in third.stdout
+  # A second seed trains only the new runs, in their own directory, and the table averages.
+  seeds = [*other[:other.index("--epochs")], "--seeds", "0,1", *other[other.index("--epochs"):]]
+  fourth = subprocess.run(seeds, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=600)
+  assert fourth.returncode == 0, fourth.stderr[-3000:]
+  assert fourth.stdout.count("reusing") == 1 and fourth.stdout.count("--seed 1 ") == 1
+  assert (tmp_path / "runs" / "seed1" / "smallcnn_dense" / "summary.json").exists()
+  averaged = json.loads((tmp_path / "out" / "results.json").read_text())
+  assert [r["seed"] for r in averaged["results"]] == [0, 1]
+  assert "| dense | - | 0,1 |" in (tmp_path / "out" / "results.md").read_text()
+  bad = subprocess.run([*seeds[:seeds.index("--seeds")], "--seeds", "0,x"], cwd=ROOT,
+                       env=child_env(), capture_output=True, text=True, timeout=60)
+  assert bad.returncode == 2 and "'0,x'" in bad.stderr
+
+
+def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
+  accuracy = load("accuracy")
+
+  def run(method, density, seed, final):
+    return {"method": method, "density": density, "seed": seed,
+            "epochs": [{"epoch": 0, "test_accuracy": 0.1, "test_loss": 2.0, "train_loss": 2.0},
+                       {"epoch": 1, "test_accuracy": final, "test_loss": 1.0,
+                        "train_loss": 0.5 + seed}],
+            "summary": {"bytes_sent_per_step": 1e6 * (seed + 1), "seconds": 60.0}}
+
+  dense, sparse = [0.70, 0.74, 0.72], [0.69, 0.71, 0.73]
+  results = ([run("dense", None, seed, a) for seed, a in enumerate(dense)]
+             + [run("dlgs", 0.1, seed, a) for seed, a in enumerate(sparse)])
+  rows = accuracy.markdown(results).splitlines()
+  assert len(rows) == 4
+  gaps = np.subtract(sparse, dense) * 100
+  cells = [c.strip() for c in rows[3].strip("|").split("|")]
+  assert cells[:3] == ["dlgs", "0.1", "0,1,2"]
+  assert cells[3] == f"{np.mean(sparse) * 100:.1f} ± {np.std(np.multiply(sparse, 100), ddof=1):.1f}%"
+  assert cells[4] == "69.0 / 71.0 / 73.0"
+  assert cells[5] == f"{gaps.mean():.1f} ± {gaps.std(ddof=1):.1f}"
+  assert cells[7] == "1.500" and cells[8] == "2.000"
+  # One seed keeps the per-run table.
+  assert "seeds" not in accuracy.markdown([results[0], results[3]]).splitlines()[0]
 
 
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
