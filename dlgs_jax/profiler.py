@@ -18,7 +18,8 @@
   one worker for a few steps on real batches (`measure_refresh`).
 * Communication: dense all-reduce, sparse all-gather and gTop-k timed on the
   current mesh over a range of message sizes and fitted as
-  ``alpha + beta * bytes sent per worker``; or, to look past this machine,
+  ``alpha + beta * bytes sent per worker``, alpha being the marginal cost of
+  one more collective in a program (`measure_comm`); or, to look past this machine,
   `network_comm` builds the same costs from a latency and a link bandwidth.
 
 All timings are medians after warm-up. With several processes pass a
@@ -333,41 +334,92 @@ def _without_residuals(opt_state):
 # ---------------------------------------------------------- communication ---
 
 def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
-                 repeats: int = 5) -> tuple[dict[str, LinearCost], dict[str, list]]:
+                 repeats: int = 5, chain: int = 8
+                 ) -> tuple[dict[str, LinearCost], dict[str, list]]:
   """Fits collective costs on `mesh` against bytes sent per worker.
 
+  The slope ``beta`` is fitted over `sizes`, one collective per program. The
+  latency ``alpha`` is the *marginal* cost of one more collective inside a
+  program, measured at the smallest size as ``(T(chain) - T(1)) / (chain - 1)``
+  with `chain` independent collectives in one jitted program. A lone
+  collective's time also carries the cost of launching a program and of the
+  workers' arrival skew, which a training step pays once, not once per
+  collective: fitted from lone collectives, alpha came out 7.3-7.8 ms on the
+  emulated cluster where LAGS's 59 collectives per step cost ~5.9 ms each.
+
+  Args:
+    mesh: the mesh whose collectives are timed (one axis).
+    sizes: leaf sizes (elements); the sparse messages hold
+      ``num_to_keep(density, size)`` values.
+    density: fraction of values the sparse collectives send.
+    repeats: timed calls per measurement.
+    chain: collectives per program for the latency; 1 keeps the latency of
+      the least-squares fit over lone collectives.
+
   Returns:
-    (costs per collective kind, the raw measurements).
+    (costs per collective kind, the raw measurements: ``(bytes, seconds)``
+    per size and kind, and under ``"latency"`` per kind the bytes, the lone
+    and the chained program's time and `chain`).
   """
+  if chain < 1:
+    raise ValueError(f"chain must be >= 1, got {chain}")
   axis = mesh.axis_names[0]
   workers = mesh.devices.size
   spec = PartitionSpec(axis)
   raw = {"allreduce": [], "allgather": [], "gtopk": []}
   rng = np.random.default_rng(0)
-  for size in sizes:
-    k = selection.num_to_keep(density, size)
+
+  def wrap(fn):
+    return jax.jit(jax.shard_map(
+        lambda *a: parallel.unsqueeze(fn(*parallel.squeeze(a))), mesh=mesh,
+        in_specs=spec, out_specs=spec, check_vma=False))
+
+  def programs(size, k, copies):
+    # Distinct inputs per copy, so XLA cannot merge the collectives into one.
+    def repeated(collective):
+      return wrap(lambda v, i: sum(collective(v + j, i) for j in range(copies)))
+
+    return {
+        "allreduce": repeated(lambda v, i: collectives.dense_mean(v, axis_name=axis)),
+        "allgather": repeated(lambda v, i: collectives.sparse_allgather_mean(
+            v[:k], i, size, axis_name=axis)),
+        "gtopk": repeated(lambda v, i: collectives.gtopk_mean(
+            v, v[:k], i, k, axis_name=axis)[0]),
+    }
+
+  def inputs(size, k):
     x = parallel.shard_batch(rng.standard_normal((workers, size)).astype(np.float32), mesh)
     idx = parallel.shard_batch(
         np.stack([rng.choice(size, k, replace=False) for _ in range(workers)]).astype(np.int32),
         mesh)
+    return x, idx
 
-    def wrap(fn):
-      return jax.jit(jax.shard_map(
-          lambda *a: parallel.unsqueeze(fn(*parallel.squeeze(a))), mesh=mesh,
-          in_specs=spec, out_specs=spec, check_vma=False))
+  def wire_bytes(kind, k, size):
+    return {"allreduce": lambda: wire.allreduce_bytes(size, workers),
+            "allgather": lambda: wire.allgather_bytes(k, workers),
+            "gtopk": lambda: wire.gtopk_bytes(k, workers)[0]}[kind]()
 
-    dense = wrap(lambda v: collectives.dense_mean(v, axis_name=axis))
-    gather = wrap(lambda v, i: collectives.sparse_allgather_mean(
-        v[:k], i, size, axis_name=axis))
-    gtop = wrap(lambda v, i: collectives.gtopk_mean(v, v[:k], i, k, axis_name=axis)[0])
-    raw["allreduce"].append((wire.allreduce_bytes(size, workers),
-                             median_seconds(lambda: dense(x), repeats)))
-    raw["allgather"].append((wire.allgather_bytes(k, workers),
-                             median_seconds(lambda: gather(x, idx), repeats)))
-    raw["gtopk"].append((wire.gtopk_bytes(k, workers)[0],
-                         median_seconds(lambda: gtop(x, idx), repeats)))
+  for size in sizes:
+    k = selection.num_to_keep(density, size)
+    x, idx = inputs(size, k)
+    for kind, program in programs(size, k, 1).items():
+      raw[kind].append((wire_bytes(kind, k, size),
+                        median_seconds(lambda: program(x, idx), repeats)))
   costs = {kind: fit_linear([b for b, _ in points], [t for _, t in points])
            for kind, points in raw.items()}
+  if chain > 1:
+    size = min(sizes)
+    k = selection.num_to_keep(density, size)
+    x, idx = inputs(size, k)
+    raw["latency"] = {}
+    for kind, program in programs(size, k, chain).items():
+      lone = raw[kind][list(sizes).index(size)][1]
+      chained = median_seconds(lambda: program(x, idx), repeats)
+      marginal = (chained - lone) / (chain - 1)
+      raw["latency"][kind] = {"bytes": wire_bytes(kind, k, size), "lone": lone,
+                              "chained": chained, "chain": chain}
+      beta = costs[kind].beta
+      costs[kind] = LinearCost(max(marginal - beta * wire_bytes(kind, k, size), 0.0), beta)
   return costs, raw
 
 

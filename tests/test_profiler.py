@@ -69,10 +69,24 @@ def test_measure_compute_orders_layers_and_checks_the_total():
 
 def test_measure_comm_on_local_mesh():
   mesh = parallel.data_mesh(4)
-  costs, raw = profiler.measure_comm(mesh, [64, 65536], 0.01, repeats=2)  # k = 1 .. 656
+  costs, raw = profiler.measure_comm(mesh, [64, 65536], 0.01, repeats=2, chain=3)  # k = 1 .. 656
   assert set(costs) == {"allreduce", "allgather", "gtopk"}
-  for points in raw.values():
+  for kind, cost in costs.items():
+    points = raw[kind]
     assert len(points) == 2 and all(t > 0 for _, t in points)
+    # The slope is the lone collectives' fit; the latency the marginal cost of one more
+    # collective in a program, at the smallest size.
+    assert cost.beta == profiler.fit_linear(*zip(*points)).beta
+    latency = raw["latency"][kind]
+    assert latency["bytes"] == points[0][0] and latency["lone"] == points[0][1]
+    assert latency["chain"] == 3 and latency["chained"] > 0
+    marginal = (latency["chained"] - latency["lone"]) / 2
+    assert cost.alpha == pytest.approx(max(marginal - cost.beta * latency["bytes"], 0.0))
+  lone, raw_lone = profiler.measure_comm(mesh, [64, 4096], 0.01, repeats=1, chain=1)
+  assert "latency" not in raw_lone
+  assert lone["allreduce"] == profiler.fit_linear(*zip(*raw_lone["allreduce"]))
+  with pytest.raises(ValueError, match="chain must be >= 1, got 0"):
+    profiler.measure_comm(mesh, [64], 0.01, chain=0)
 
 
 def test_measure_update_fits_every_method():
