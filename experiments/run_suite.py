@@ -35,11 +35,16 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                      "--densities", "0.1,0.01"]),
         ("cluster_resnet50", [e + "bench_cluster.py", "--models", "resnet50", "--image-size",
                               "32", "--densities", "0.01",
-                              "--methods", "dense,topk,lags,gtopk,dlgs"]),
+                              "--methods", "dense,dlgs,dlgs-paper,lags,topk,gtopk",
+                              "--out-dir", e + "results/cluster_resnet50"]),
         ("accuracy", [e + "accuracy.py"]),
         ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
                            "--densities", "0.1", "--epochs", "60", "--out-dir",
                            e + "results/accuracy_60ep", "--runs-dir", "runs/accuracy_60ep"]),
+        ("accuracy_60ep_seeds", [e + "accuracy.py", "--methods", "dense,dlgs-head",
+                                 "--densities", "0.1", "--epochs", "60", "--seeds", "0,1,2",
+                                 "--out-dir", e + "results/accuracy_60ep_seeds",
+                                 "--runs-dir", "runs/accuracy_60ep"]),
     ]
   return [
       ("sparsify", [e + "bench_sparsify.py", "--models", "resnet20", "--repeats", "3",
