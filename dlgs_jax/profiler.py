@@ -394,32 +394,33 @@ def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
         mesh)
     return x, idx
 
-  def wire_bytes(kind, k, size):
-    return {"allreduce": lambda: wire.allreduce_bytes(size, workers),
-            "allgather": lambda: wire.allgather_bytes(k, workers),
-            "gtopk": lambda: wire.gtopk_bytes(k, workers)[0]}[kind]()
+  def wire_bytes(size, k):
+    return {"allreduce": wire.allreduce_bytes(size, workers),
+            "allgather": wire.allgather_bytes(k, workers),
+            "gtopk": wire.gtopk_bytes(k, workers)[0]}
 
   for size in sizes:
     k = selection.num_to_keep(density, size)
     x, idx = inputs(size, k)
+    sent = wire_bytes(size, k)
     for kind, program in programs(size, k, 1).items():
-      raw[kind].append((wire_bytes(kind, k, size),
-                        median_seconds(lambda: program(x, idx), repeats)))
+      raw[kind].append((sent[kind], median_seconds(lambda: program(x, idx), repeats)))
   costs = {kind: fit_linear([b for b, _ in points], [t for _, t in points])
            for kind, points in raw.items()}
   if chain > 1:
     size = min(sizes)
     k = selection.num_to_keep(density, size)
     x, idx = inputs(size, k)
+    sent = wire_bytes(size, k)
     raw["latency"] = {}
     for kind, program in programs(size, k, chain).items():
       lone = raw[kind][list(sizes).index(size)][1]
       chained = median_seconds(lambda: program(x, idx), repeats)
       marginal = (chained - lone) / (chain - 1)
-      raw["latency"][kind] = {"bytes": wire_bytes(kind, k, size), "lone": lone,
-                              "chained": chained, "chain": chain}
+      raw["latency"][kind] = {"bytes": sent[kind], "lone": lone, "chained": chained,
+                              "chain": chain}
       beta = costs[kind].beta
-      costs[kind] = LinearCost(max(marginal - beta * wire_bytes(kind, k, size), 0.0), beta)
+      costs[kind] = LinearCost(max(marginal - beta * sent[kind], 0.0), beta)
   return costs, raw
 
 
