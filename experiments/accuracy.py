@@ -157,6 +157,12 @@ def final_accuracy(run) -> float:
   return run["epochs"][-1]["test_accuracy"] * 100
 
 
+def bytes_sent(summary):
+  """Bytes one worker sends per step; dense transforms keep no traffic counter, so
+  theirs is the all-reduce's. None when the run recorded neither."""
+  return summary.get("bytes_sent_per_step") or summary.get("dense_bytes_per_step")
+
+
 def by_configuration(results) -> dict:
   """Runs grouped by (method, density), in the order they were run, seeds in order."""
   groups = {}
@@ -176,13 +182,11 @@ def markdown(results) -> str:
   for r in results:
     last = r["epochs"][-1]
     s = r["summary"]
-    delta = ((last["test_accuracy"] - dense["epochs"][-1]["test_accuracy"]) * 100
-             if dense else None)
-    # Dense transforms keep no traffic counter: theirs is the all-reduce's.
-    sent = s.get("bytes_sent_per_step") or s.get("dense_bytes_per_step")
+    delta = final_accuracy(r) - final_accuracy(dense) if dense else None
+    sent = bytes_sent(s)
     lines.append(
         f"| {r['method']} | {'-' if r['density'] is None else format(r['density'], 'g')} | "
-        f"{last['test_accuracy'] * 100:.1f}% | "
+        f"{final_accuracy(r):.1f}% | "
         f"{'' if delta is None else format(delta, '+.1f')} | "
         f"{max(e['test_accuracy'] for e in r['epochs']) * 100:.1f}% | "
         f"{last['test_loss']:.3f} | {last.get('train_loss', float('nan')):.3f} | "
@@ -211,8 +215,7 @@ def markdown_seeds(results) -> str:
   for (method, density), runs in by_configuration(results).items():
     accuracies = [final_accuracy(r) for r in runs]
     gaps = [final_accuracy(r) - dense[r["seed"]] for r in runs if r["seed"] in dense]
-    sent = [r["summary"].get("bytes_sent_per_step") or r["summary"].get("dense_bytes_per_step")
-            for r in runs]
+    sent = [bytes_sent(r["summary"]) for r in runs]
     lines.append(
         f"| {method} | {'-' if density is None else format(density, 'g')} | "
         f"{','.join(str(r['seed']) for r in runs)} | {spread(accuracies)}% | "
