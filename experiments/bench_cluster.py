@@ -13,6 +13,7 @@ over dense, and the timeline model's prediction next to the measurement.
     python experiments/bench_cluster.py --quick              # one model, fewer steps
     python experiments/bench_cluster.py --models resnet50 --image-size 32 --densities 0.01
     python experiments/bench_cluster.py --predict-only --densities 0.1,0.01   # new profiles only
+    python experiments/bench_cluster.py --predict-only --keep-profiles --refit-profiles  # refit only
 
 Writes results.json, results.md and breakdown_<model>.png under --out-dir. Runs
 of other models or densities already in --out-dir's results.json are kept (a
@@ -89,6 +90,10 @@ def parse_args(argv=None):
                       "configurations already measured in --out-dir (no timing runs)")
   parser.add_argument("--keep-profiles", action="store_true",
                       help="use the profiles already in --out-dir instead of measuring them")
+  parser.add_argument("--refit-profiles", action="store_true",
+                      help="with --keep-profiles: fit the update costs again from the raw "
+                      "timings stored beside each profile (details.json) with the current "
+                      "rule (profiler.fit_update), and save the profile")
   parser.add_argument("--quick", action="store_true",
                       help="ResNet-20 only, dense/topk/dlgs, 8 steps: a quick look")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "cluster"))
@@ -97,9 +102,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.refit_profiles and not args.keep_profiles:
+    raise SystemExit("--refit-profiles refits kept profiles: give --keep-profiles too")
   if args.quick:
     args.models, args.methods, args.steps, args.warmup = "resnet20", "dense,topk,dlgs", 8, 2
-  from dlgs_jax import cluster, planner
+  from dlgs_jax import cluster, planner, profiler
   from dlgs_jax.models import leaf_shapes
   from dlgs_jax.timeline import Profile, simulate
 
@@ -139,6 +146,10 @@ def main(argv=None) -> int:
           print(f"== {model}: profiling on the cluster at density {density:g}", flush=True)
           bench(["--profile-out", str(profile_path), "--density", str(density)])
         profile = Profile.load(profile_path)
+        if args.refit_profiles:
+          details = json.loads(Path(f"{profile_path}.details.json").read_text())
+          profile = profiler.refit_profile(profile, details)
+          profile.save(profile_path)
         shapes = leaf_shapes(model, image_size=args.image_size)
         for method in methods:
           if (method, density) not in runs:

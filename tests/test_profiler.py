@@ -102,6 +102,50 @@ def test_measure_update_fits_every_method():
     assert amortised == pytest.approx((exact + 3 * reuse) / 4)
 
 
+def test_fit_update_fits_per_leaf_methods_over_leaf_sizes_only():
+  # A superlinear cost, as the standalone updates measure: t = 1e-3 + 1e-15 n^2.
+  sizes = [4096, 65536, 1_000_000, 20_000_000]
+  times = [1e-3 + 1e-15 * n * n for n in sizes]
+  raw = {"sizes": sizes, "lags": times, "dgc": times, "terngrad": times, "topk": times,
+         "dlgs": times}
+  costs = profiler.fit_update(raw, largest_leaf=1_000_000)
+  leaf_range = profiler.fit_linear(sizes[:3], times[:3])
+  whole_range = profiler.fit_linear(sizes, times)
+  for method in profiler.PER_LEAF_METHODS:
+    assert costs[method] == leaf_range
+  # One message for the model (Top-k) or planned groups up to it (DLGS): every size.
+  assert costs["topk"] == costs["dlgs"] == whole_range
+  # At leaf sizes the leaf-range line is the closer one.
+  for n in sizes[:3]:
+    truth = 1e-3 + 1e-15 * n * n
+    assert abs(leaf_range(n) - truth) < abs(whole_range(n) - truth)
+  # A model whose leaves are all smaller than the grid still gets a line (two points).
+  tiny = profiler.fit_update(raw, largest_leaf=100)
+  assert tiny["lags"] == profiler.fit_linear(sizes[:2], times[:2])
+
+
+def test_update_grid_spans_the_model_and_ends_the_leaf_range():
+  grid = profiler.update_grid([512] + [2_359_296] * 10)
+  assert grid[0] == 4096 and grid[-1] == 512 + 23_592_960
+  assert 2_359_296 in grid and grid == sorted(set(grid)) and len(grid) == 7
+  # A model smaller than the grid's start is still timed over two sizes or more.
+  small = profiler.update_grid([10, 20])
+  assert small[0] == 4096 and small[-1] == 8192 and len(small) >= 2
+
+
+def test_refit_profile_redoes_the_update_fit_from_raw_timings():
+  sizes = [4096, 100_000, 10_000_000]
+  times = [1e-4, 2e-3, 1.0]
+  profile = Profile(model="m", paths=["a", "b"], sizes=[100_000, 9_900_000], overlap=False,
+                    t_forward=0.1, t_backward=[0.1, 0.1], workers=4,
+                    sparsify={"lags": LinearCost(0.0, 1e-7)}, comm={})
+  again = profiler.refit_profile(profile, {"sparsify_raw": {"sizes": sizes, "lags": times}})
+  assert again.sparsify["lags"] == profiler.fit_linear(sizes[:2], times[:2])
+  assert again.sizes == profile.sizes and again.t_backward == profile.t_backward
+  with pytest.raises(ValueError, match="no raw update timings"):
+    profiler.refit_profile(profile, {"comm_raw": {}})
+
+
 def test_measure_refresh_counts_exact_thresholds_over_real_steps():
   model, shape = models.create_model("smallcnn")
   variables = model.init(jax.random.key(0), jnp.zeros((1,) + shape), train=False)
