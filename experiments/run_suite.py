@@ -41,7 +41,7 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
         ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
                            "--densities", "0.1", "--epochs", "60", "--out-dir",
                            e + "results/accuracy_60ep", "--runs-dir", "runs/accuracy_60ep"]),
-        ("accuracy_60ep_seeds", [e + "accuracy.py", "--methods", "dense,dlgs-head",
+        ("accuracy_60ep_seeds", [e + "accuracy.py", "--methods", "dense,topk,dlgs-head",
                                  "--densities", "0.1", "--epochs", "60", "--seeds", "0,1,2",
                                  "--out-dir", e + "results/accuracy_60ep_seeds",
                                  "--runs-dir", "runs/accuracy_60ep"]),
