@@ -37,6 +37,8 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                               "32", "--densities", "0.01",
                               "--methods", "dense,dlgs,dlgs-paper,lags,topk,gtopk",
                               "--out-dir", e + "results/cluster_resnet50"]),
+        ("cluster_resnet20", [e + "bench_cluster.py", "--models", "resnet20", "--densities",
+                              "0.01", "--out-dir", e + "results/cluster_resnet20"]),
         ("accuracy", [e + "accuracy.py"]),
         ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
                            "--densities", "0.1", "--epochs", "60", "--out-dir",
