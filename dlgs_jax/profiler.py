@@ -11,9 +11,10 @@
   optimizer after it), on one leaf of a range of sizes with ``axis_name=None``,
   fitted as ``alpha + beta * elements`` over the sizes the method's messages
   have (`fit_update`: per-leaf methods up to the largest leaf, the others up
-  to the whole model). DLGS's exact and reuse steps are fitted apart and also amortised over its reuse period. Timing the selection
-  alone misses the bookkeeping, which on CPU costs more than the selection
-  (ResNet-50 DLGS: 0.89 s measured against 0.18 s of selection).
+  to the whole model). DLGS's exact and reuse steps are fitted apart and also
+  amortised over its reuse period. Timing the selection alone misses the
+  bookkeeping, which on CPU costs more than the selection (ResNet-50 DLGS:
+  0.89 s measured against 0.18 s of selection).
 * Refresh rate: how often DLGS's refresh rule recomputes a reused threshold
   depends on how gradients and residuals drift, so it is measured by training
   one worker for a few steps on real batches (`measure_refresh`).

@@ -147,8 +147,10 @@ def main(argv=None) -> int:
           bench(["--profile-out", str(profile_path), "--density", str(density)])
         profile = Profile.load(profile_path)
         if args.refit_profiles:
-          details = json.loads(Path(f"{profile_path}.details.json").read_text())
-          profile = profiler.refit_profile(profile, details)
+          details_path = Path(f"{profile_path}.details.json")
+          if not details_path.exists():
+            raise SystemExit(f"--refit-profiles: no raw timings {details_path}")
+          profile = profiler.refit_profile(profile, json.loads(details_path.read_text()))
           profile.save(profile_path)
         shapes = leaf_shapes(model, image_size=args.image_size)
         for method in methods:

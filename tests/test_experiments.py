@@ -81,6 +81,12 @@ def test_bench_cluster_costs_every_method_as_the_benchmark_runs_it():
   assert set(bench.GROUPING) == set(bench.PREDICTABLE)
 
 
+def test_bench_cluster_refit_needs_kept_profiles():
+  bench = load("bench_cluster")
+  with pytest.raises(SystemExit, match="give --keep-profiles too"):
+    bench.main(["--refit-profiles", "--out-dir", "unused"])
+
+
 def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "accuracy.py"), "--model", "smallcnn",
              "--methods", "dense,dlgs", "--densities", "0.1", "--epochs", "1", "--workers", "2",
