@@ -47,6 +47,10 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                                  "--densities", "0.1", "--epochs", "60", "--seeds", "0,1,2",
                                  "--out-dir", e + "results/accuracy_60ep_seeds",
                                  "--runs-dir", "runs/accuracy_60ep"]),
+        ("accuracy_120ep", [e + "accuracy.py", "--methods", "dense,dlgs-head", "--densities",
+                            "0.1", "--epochs", "120", "--seeds", "1",
+                            "--out-dir", e + "results/accuracy_120ep",
+                            "--runs-dir", "runs/accuracy_120ep"]),
     ]
   return [
       ("sparsify", [e + "bench_sparsify.py", "--models", "resnet20", "--repeats", "3",
