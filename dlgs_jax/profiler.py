@@ -8,13 +8,20 @@
   measured whole backward time; the unscaled difference is reported.
 * Update: each method's whole local update as training runs it (selection,
   error-feedback bookkeeping -- residual add, gather, new residual -- and the
-  optimizer after it), on one leaf of a range of sizes with ``axis_name=None``,
-  fitted as ``alpha + beta * elements`` over the sizes the method's messages
-  have (`fit_update`: per-leaf methods up to the largest leaf, the others up
-  to the whole model). DLGS's exact and reuse steps are fitted apart and also
-  amortised over its reuse period. Timing the selection alone misses the
-  bookkeeping, which on CPU costs more than the selection (ResNet-50 DLGS:
-  0.89 s measured against 0.18 s of selection).
+  optimizer after it) with ``axis_name=None``, fitted as
+  ``alpha + beta * elements`` over the sizes the method's messages have
+  (`fit_update`). Methods that send one message per leaf (`PER_LEAF_METHODS`)
+  are timed on one leaf of a range of sizes up to the largest leaf; the others
+  (one message for the model, or planned groups) on groups of the model's own
+  leaves -- the last m leaves in backward order, as one message -- up to the
+  whole model (`suffix_groups`). One leaf as large as the model is not what
+  they run: on ResNet-50 at density 0.1 DLGS's update of one 25.6M-value leaf
+  took 5.0 s, where the benchmark measured 0.52 s a step on the model's 161
+  leaves (the whole-model line predicted that step +191%). DLGS's exact
+  and reuse steps are fitted apart and also amortised over its reuse period.
+  Timing the selection alone misses the bookkeeping, which on CPU costs more
+  than the selection (ResNet-50 DLGS: 0.89 s measured against 0.18 s of
+  selection).
 * Refresh rate: how often DLGS's refresh rule recomputes a reused threshold
   depends on how gradients and residuals drift, so it is measured by training
   one worker for a few steps on real batches (`measure_refresh`).
@@ -210,7 +217,9 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   methods: the line fitted up to 25M values priced ResNet-50's LAGS update at
   1.97 s where the runs measured 0.32 s (+53% on the step). `PER_LEAF_METHODS`
   are fitted over the sizes up to `largest_leaf` (at least the two smallest);
-  the others (one message for the model, or planned groups up to it) over all.
+  the others (one message for the model, or planned groups up to it) over all,
+  or over "group_sizes" where `measure_update` timed them on groups of the
+  model's own leaves (the methods listed in raw "grouped").
 
   Args:
     raw: `measure_update`'s raw timings ("sizes" and one list per method).
@@ -222,13 +231,49 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   sizes = np.asarray(raw["sizes"], np.float64)
   in_leaf_range = sizes <= largest_leaf
   in_leaf_range[:2] = True
+  grouped = set(raw.get("grouped", ()))
   costs = {}
   for method, times in raw.items():
-    if method == "sizes":
+    if method in ("sizes", "group_sizes", "grouped"):
       continue
-    keep = in_leaf_range if method in PER_LEAF_METHODS else np.ones_like(in_leaf_range)
-    costs[method] = fit_linear(sizes[keep], np.asarray(times, np.float64)[keep])
+    times = np.asarray(times, np.float64)
+    if _update_key(method) in grouped:
+      costs[method] = fit_linear(np.asarray(raw["group_sizes"], np.float64), times)
+    elif method in PER_LEAF_METHODS:
+      costs[method] = fit_linear(sizes[in_leaf_range], times[in_leaf_range])
+    else:
+      costs[method] = fit_linear(sizes, times)
   return costs
+
+
+def _update_key(key: str) -> str:
+  """The method a raw update timing belongs to ("dlgs_exact" -> "dlgs")."""
+  return "dlgs" if key in ("dlgs_exact", "dlgs_reuse") else key
+
+
+def suffix_groups(leaf_sizes: Sequence[int], targets: Sequence[float]) -> list[int]:
+  """How many of the last leaves (in backward order) make each timed group.
+
+  A planned group is a run of adjacent layers sent as one message, so a
+  group's update is timed on real adjacent leaves: the last m in backward
+  order (the input side of the model, where the leaves are smallest), m chosen
+  per target so that their total is nearest it in ratio.
+
+  Args:
+    leaf_sizes: elements per leaf, in backward order.
+    targets: message sizes (elements) wanted.
+
+  Returns:
+    Sorted distinct leaf counts m (1 <= m <= len(leaf_sizes)).
+  """
+  if not len(leaf_sizes):
+    raise ValueError("suffix_groups: no leaves")
+  totals = np.cumsum(np.asarray(leaf_sizes, np.float64)[::-1])
+  if np.any(totals <= 0):
+    raise ValueError(f"suffix_groups: leaf sizes must be positive, got {list(leaf_sizes)}")
+  logs = np.log(totals)
+  return sorted({int(np.argmin(np.abs(logs - np.log(max(float(t), 1.0))))) + 1
+                 for t in targets})
 
 
 def update_grid(sizes: Sequence[int], points: int = 6) -> list[int]:
@@ -258,29 +303,38 @@ def refit_profile(profile: Profile, details: dict) -> Profile:
   return dataclasses.replace(profile, sparsify=fit_update(raw, max(profile.sizes)))
 
 
-def training_optimizer(method: str, density: float, *, reuse_every: int = 10
-                       ) -> optax.GradientTransformation:
+def training_optimizer(method: str, density: float, *, reuse_every: int = 10,
+                       order: Sequence[str] = ("x",)) -> optax.GradientTransformation:
   """`method`'s local update (``axis_name=None``) chained with training's optimizer.
 
   The same chain `dlgs-train` and `dlgs_jax.benchmark` build (weight decay and
-  momentum SGD after the compressor), for a tree with one leaf.
+  momentum SGD after the compressor), for a flat dict whose keys are `order`
+  (backward order), sent as one group -- one message -- by the methods that
+  group leaves (dense, DLGS; LAGS keeps one message per leaf).
   """
   from dlgs_jax import train
 
   settings = train.parse_args(["--method", method, "--density", str(density),
                                "--reuse-every", str(reuse_every)])
-  return train.build_optimizer(settings, None, 0.01, None, ["x"])
+  order = list(order)
+  groups = [order] if method in ("dense", "dlgs") else None
+  return train.build_optimizer(settings, None, 0.01, groups, order)
 
 
 def measure_update(sizes: Sequence[int], density: float, *,
                    methods: Sequence[str] = UPDATE_METHODS, reuse_every: int = 10,
-                   repeats: int = 5, barrier: Optional[Callable[[], Any]] = None
+                   repeats: int = 5, barrier: Optional[Callable[[], Any]] = None,
+                   leaf_shapes: Optional[Sequence[Sequence[int]]] = None
                    ) -> tuple[dict[str, LinearCost], dict[str, list]]:
-  """Fits each method's whole local update time per message over `sizes`.
+  """Fits each method's whole local update time per message.
 
-  Times `training_optimizer(method)` on a one-leaf tree of each size: what a
-  message costs between its gradients being ready and its collective, plus the
-  optimizer's work on it afterwards. Communication is not included.
+  Times `training_optimizer(method)` on each message: what a message costs
+  between its gradients being ready and its collective, plus the optimizer's
+  work on it afterwards. Communication is not included. A message is one leaf
+  of each of `sizes`; with `leaf_shapes`, the methods that are not
+  `PER_LEAF_METHODS` are timed instead on groups of the model's leaves (the
+  last m in backward order, `suffix_groups` of `sizes`), sent as one message:
+  what a planned group or a whole-model message runs.
 
   Args:
     sizes: message sizes (elements) to time.
@@ -291,20 +345,40 @@ def measure_update(sizes: Sequence[int], density: float, *,
       returned alone, as "dlgs_exact" and "dlgs_reuse".
     repeats: timed repetitions per point.
     barrier: see `median_seconds`.
+    leaf_shapes: the model's parameter shapes in backward order, or None to
+      time every method on single leaves.
 
   Returns:
-    (cost per method, the raw measurements).
+    (cost per method, the raw measurements: "sizes", one list of seconds per
+    method, and with `leaf_shapes` "group_sizes" -- the groups' elements --
+    and "grouped" -- the methods timed on them, whose lists follow
+    "group_sizes").
   """
   rng = np.random.default_rng(0)
   keys = [m for m in methods] + (["dlgs_exact", "dlgs_reuse"] if "dlgs" in methods else [])
   raw: dict[str, list] = {"sizes": [int(s) for s in sizes], **{m: [] for m in keys}}
+  groups = None
+  if leaf_shapes is not None:
+    shapes = [tuple(int(d) for d in shape) for shape in leaf_shapes]
+    counts = suffix_groups([int(np.prod(shape)) for shape in shapes], sizes)
+    groups = [shapes[len(shapes) - m:] for m in counts]
+    raw["group_sizes"] = [int(sum(int(np.prod(s)) for s in g)) for g in groups]
+    raw["grouped"] = [m for m in methods if m not in PER_LEAF_METHODS]
+
+  def messages(method):
+    if groups is not None and method not in PER_LEAF_METHODS:
+      # Zero-padded keys: the dict flattens in backward order.
+      return [{f"{i:04d}": shape for i, shape in enumerate(g)} for g in groups]
+    # Two dimensions, so DGC sparsifies the message (it sends 1-D leaves whole).
+    return [{"x": (1, size)} for size in sizes]
+
   for method in methods:
-    tx = training_optimizer(method, density, reuse_every=reuse_every)
-    update = jax.jit(tx.update)
-    for size in sizes:
-      # Two dimensions, so DGC sparsifies the message (it sends 1-D leaves whole).
-      params = {"x": jnp.zeros((1, size), jnp.float32)}
-      grads = {"x": jnp.asarray(rng.standard_normal((1, size)).astype(np.float32))}
+    for message in messages(method):
+      tx = training_optimizer(method, density, reuse_every=reuse_every, order=list(message))
+      update = jax.jit(tx.update)
+      params = {k: jnp.zeros(shape, jnp.float32) for k, shape in message.items()}
+      grads = {k: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+               for k, shape in message.items()}
       first = tx.init(params)
       # After one step the state is mid-period: a DLGS reuse step. Without
       # its residual the reused threshold passes exactly k values of the same
@@ -317,7 +391,9 @@ def measure_update(sizes: Sequence[int], density: float, *,
         raw["dlgs_reuse"].append(t_later)
         t_later = (t_first + (reuse_every - 1) * t_later) / reuse_every
       raw[method].append(t_later)
-  return {m: fit_linear(raw["sizes"], raw[m]) for m in keys}, raw
+  grouped = set(raw.get("grouped", ()))
+  return {m: fit_linear(raw["group_sizes"] if _update_key(m) in grouped else raw["sizes"],
+                        raw[m]) for m in keys}, raw
 
 
 def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, labels: np.ndarray,
@@ -577,8 +653,11 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   compute = measure_compute(model, variables, images, labels, repeats=repeats, barrier=barrier)
   total = sum(compute["sizes"])
   progress(f"timing the local update of {', '.join(methods)}")
+  shape_of = dict(zip(grouping.leaf_paths(variables["params"]),
+                      (x.shape for x in jax.tree_util.tree_leaves(variables["params"]))))
   _, sparsify_raw = measure_update(update_grid(compute["sizes"]), density, methods=methods,
-                                   reuse_every=reuse_every, repeats=repeats, barrier=barrier)
+                                   reuse_every=reuse_every, repeats=repeats, barrier=barrier,
+                                   leaf_shapes=[shape_of[p] for p in compute["order"]])
   sparsify = fit_update(sparsify_raw, max(compute["sizes"]))
   mesh = mesh or parallel.data_mesh()
   workers = int(mesh.devices.size)

@@ -124,6 +124,55 @@ def test_fit_update_fits_per_leaf_methods_over_leaf_sizes_only():
   assert tiny["lags"] == profiler.fit_linear(sizes[:2], times[:2])
 
 
+def test_suffix_groups_pick_the_last_leaves_nearest_each_target():
+  # Backward order: the last leaves are the model's input side.
+  leaf_sizes = [100, 10, 1000, 1]
+  totals = np.cumsum(leaf_sizes[::-1])  # 1, 1001, 1011, 1111
+  counts = profiler.suffix_groups(leaf_sizes, [1, 900, 1111, 5000])
+  assert counts == [1, 2, 4]
+  for target, m in zip([1, 900, 1111], counts):
+    assert np.argmin(np.abs(np.log(totals) - np.log(target))) + 1 == m
+  with pytest.raises(ValueError, match="no leaves"):
+    profiler.suffix_groups([], [10])
+  with pytest.raises(ValueError, match=r"positive, got \[4, 0\]"):
+    profiler.suffix_groups([4, 0], [10])
+
+
+def test_measure_update_times_grouping_methods_on_the_models_leaves():
+  # Backward order: head first, input side last.
+  shapes = [(64, 10), (10,), (32, 64), (64,), (3, 3, 3, 32)]
+  sizes = [864, 3000, 3498]
+  costs, raw = profiler.measure_update(sizes, 0.1, methods=("dense", "dlgs", "lags", "topk"),
+                                       repeats=1, reuse_every=2, leaf_shapes=shapes)
+  elements = [int(np.prod(s)) for s in shapes]
+  counts = profiler.suffix_groups(elements, sizes)
+  assert raw["group_sizes"] == [sum(elements[len(elements) - m:]) for m in counts]
+  assert raw["group_sizes"][0] == 864 and raw["group_sizes"][-1] == sum(elements)
+  assert raw["grouped"] == ["dense", "dlgs", "topk"]
+  for method in ("dense", "dlgs", "dlgs_exact", "dlgs_reuse", "topk"):
+    assert len(raw[method]) == len(raw["group_sizes"])
+    assert costs[method] == profiler.fit_linear(raw["group_sizes"], raw[method])
+  # LAGS sends one message per leaf: still timed on single leaves of `sizes`.
+  assert len(raw["lags"]) == len(sizes)
+  assert costs["lags"] == profiler.fit_linear(sizes, raw["lags"])
+  # fit_update (what profile_model and refit_profile use) reads the same groups.
+  refit = profiler.fit_update(raw, largest_leaf=max(elements))
+  assert refit["dlgs_exact"] == costs["dlgs_exact"] and refit["topk"] == costs["topk"]
+
+
+def test_training_optimizer_sends_a_dlgs_group_as_one_message():
+  tx = profiler.training_optimizer("dlgs", 0.25, order=["0000", "0001"])
+  params = {"0000": jnp.zeros((8, 4)), "0001": jnp.zeros((4,))}
+  # Distinct magnitudes, so exactly k values meet each exact threshold.
+  grads = {"0000": jnp.arange(32.0).reshape(8, 4) - 7.5, "0001": jnp.arange(4.0) + 1.0}
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  # One entry per message sent.
+  assert dlgs_jax.comm_stats(state).selected.shape == (1,)
+  # Layer-wise top-k inside the group: 8 of 32 and 1 of 4 values leave.
+  assert int(np.count_nonzero(np.asarray(updates["0000"]))) == 8
+  assert int(np.count_nonzero(np.asarray(updates["0001"]))) == 1
+
+
 def test_update_grid_spans_the_model_and_ends_the_leaf_range():
   grid = profiler.update_grid([512] + [2_359_296] * 10)
   assert grid[0] == 4096 and grid[-1] == 512 + 23_592_960
