@@ -231,13 +231,12 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   sizes = np.asarray(raw["sizes"], np.float64)
   in_leaf_range = sizes <= largest_leaf
   in_leaf_range[:2] = True
-  grouped = set(raw.get("grouped", ()))
   costs = {}
   for method, times in raw.items():
     if method in ("sizes", "group_sizes", "grouped"):
       continue
     times = np.asarray(times, np.float64)
-    if _update_key(method) in grouped:
+    if _timed_on_groups(raw, method):
       costs[method] = fit_linear(np.asarray(raw["group_sizes"], np.float64), times)
     elif method in PER_LEAF_METHODS:
       costs[method] = fit_linear(sizes[in_leaf_range], times[in_leaf_range])
@@ -246,9 +245,10 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   return costs
 
 
-def _update_key(key: str) -> str:
-  """The method a raw update timing belongs to ("dlgs_exact" -> "dlgs")."""
-  return "dlgs" if key in ("dlgs_exact", "dlgs_reuse") else key
+def _timed_on_groups(raw: dict[str, list], key: str) -> bool:
+  """Whether raw timing `key` ("dlgs_exact" belongs to "dlgs") follows "group_sizes"."""
+  method = "dlgs" if key in ("dlgs_exact", "dlgs_reuse") else key
+  return method in raw.get("grouped", ())
 
 
 def suffix_groups(leaf_sizes: Sequence[int], targets: Sequence[float]) -> list[int]:
@@ -391,8 +391,7 @@ def measure_update(sizes: Sequence[int], density: float, *,
         raw["dlgs_reuse"].append(t_later)
         t_later = (t_first + (reuse_every - 1) * t_later) / reuse_every
       raw[method].append(t_later)
-  grouped = set(raw.get("grouped", ()))
-  return {m: fit_linear(raw["group_sizes"] if _update_key(m) in grouped else raw["sizes"],
+  return {m: fit_linear(raw["group_sizes"] if _timed_on_groups(raw, m) else raw["sizes"],
                         raw[m]) for m in keys}, raw
 
 
