@@ -10,14 +10,16 @@
   error-feedback bookkeeping -- residual add, gather, new residual -- and the
   optimizer after it) with ``axis_name=None``, fitted as
   ``alpha + beta * elements`` over the sizes the method's messages have
-  (`fit_update`). Methods that send one message per leaf (`PER_LEAF_METHODS`)
-  are timed on one leaf of a range of sizes up to the largest leaf; the others
-  (one message for the model, or planned groups) on groups of the model's own
-  leaves -- the last m leaves in backward order, as one message -- up to the
-  whole model (`suffix_groups`). One leaf as large as the model is not what
-  they run: on ResNet-50 at density 0.1 DLGS's update of one 25.6M-value leaf
-  took 5.0 s, where the benchmark measured 0.52 s a step on the model's 161
-  leaves (the whole-model line predicted that step +191%). DLGS's exact
+  (`fit_update`). Every method is timed on groups of the model's own leaves
+  holding its real gradients -- the last m leaves in backward order, up to the
+  whole model (`suffix_groups`) --: the grouping methods (one message for the
+  model, or planned groups) send a group as one message, the per-leaf methods
+  (`PER_LEAF_METHODS`) each leaf as its own message in one program, fitted as
+  ``m * alpha + beta * elements`` (`fit_per_leaf`). One leaf as large as the
+  model is not what they run: on ResNet-50 at density 0.1 DLGS's update of
+  one 25.6M-value leaf took 5.0 s, where the benchmark measured 0.52 s a step
+  on the model's 161 leaves (the whole-model line predicted that step +191%);
+  nor is normal noise what they select from (`measure_update`). DLGS's exact
   and reuse steps are fitted apart and also amortised over its reuse period.
   Timing the selection alone misses the bookkeeping, which on CPU costs more
   than the selection (ResNet-50 DLGS: 0.89 s measured against 0.18 s of
@@ -219,7 +221,8 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   are fitted over the sizes up to `largest_leaf` (at least the two smallest);
   the others (one message for the model, or planned groups up to it) over all,
   or over "group_sizes" where `measure_update` timed them on groups of the
-  model's own leaves (the methods listed in raw "grouped").
+  model's own leaves (the methods listed in raw "grouped"). Per-leaf methods
+  timed on groups (raw "group_leaves" present) are fitted by `fit_per_leaf`.
 
   Args:
     raw: `measure_update`'s raw timings ("sizes" and one list per method).
@@ -233,16 +236,63 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   in_leaf_range[:2] = True
   costs = {}
   for method, times in raw.items():
-    if method in ("sizes", "group_sizes", "grouped"):
+    if method in ("sizes", "group_sizes", "group_leaves", "grouped", "values"):
       continue
     times = np.asarray(times, np.float64)
-    if _timed_on_groups(raw, method):
+    if _timed_on_groups(raw, method) and method in PER_LEAF_METHODS and "group_leaves" in raw:
+      costs[method] = fit_per_leaf(raw["group_leaves"], raw["group_sizes"], times)
+    elif _timed_on_groups(raw, method):
       costs[method] = fit_linear(np.asarray(raw["group_sizes"], np.float64), times)
     elif method in PER_LEAF_METHODS:
       costs[method] = fit_linear(sizes[in_leaf_range], times[in_leaf_range])
     else:
       costs[method] = fit_linear(sizes, times)
   return costs
+
+
+def fit_per_leaf(leaves: Sequence[int], elements: Sequence[int],
+                 times: Sequence[float]) -> LinearCost:
+  """Per-message cost of a per-leaf method, from programs that update many leaves.
+
+  LAGS, DGC and TernGrad send every leaf as its own message, so a program
+  updating m leaves of S elements in all costs ``m * alpha + beta * S``: alpha
+  is the marginal cost of one more leaf *inside* a program, which is what the
+  train step pays 161 times on ResNet-50 -- not the cost of launching a
+  one-leaf program, which single-leaf timings put into alpha (ResNet-20: 0.43
+  ms per leaf, against 2-16 ms measured for all 65 leaves together). Least
+  squares with both coefficients kept >= 0.
+
+  Args:
+    leaves: leaves per timed program (m).
+    elements: elements per timed program (S).
+    times: seconds per timed program.
+
+  Returns:
+    ``LinearCost(alpha, beta)``: the cost of one leaf of n elements is
+    ``alpha + beta * n``.
+  """
+  m = np.asarray(leaves, np.float64)
+  n = np.asarray(elements, np.float64)
+  t = np.asarray(times, np.float64)
+  if not (len(m) == len(n) == len(t)) or not len(t):
+    raise ValueError(f"fit_per_leaf: need equal, non-empty lists, got {len(m)} leaf counts, "
+                     f"{len(n)} sizes and {len(t)} times")
+  if np.any(m < 1) or np.any(n <= 0):
+    raise ValueError(f"fit_per_leaf: leaf counts must be >= 1 and sizes > 0, got "
+                     f"{list(leaves)} and {list(elements)}")
+  if len(t) > 1:
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([m, n], axis=1), t, rcond=None)
+  else:
+    alpha, beta = -1.0, -1.0
+  if alpha < 0 or beta < 0:
+    # Keep the one term that explains the times better on its own.
+    only_beta = float(np.sum(n * t) / np.sum(n * n))
+    only_alpha = float(np.sum(m * t) / np.sum(m * m))
+    if np.sum((t - only_beta * n) ** 2) <= np.sum((t - only_alpha * m) ** 2):
+      alpha, beta = 0.0, only_beta
+    else:
+      alpha, beta = only_alpha, 0.0
+  return LinearCost(float(alpha), float(beta))
 
 
 def _timed_on_groups(raw: dict[str, list], key: str) -> bool:
@@ -324,17 +374,26 @@ def training_optimizer(method: str, density: float, *, reuse_every: int = 10,
 def measure_update(sizes: Sequence[int], density: float, *,
                    methods: Sequence[str] = UPDATE_METHODS, reuse_every: int = 10,
                    repeats: int = 5, barrier: Optional[Callable[[], Any]] = None,
-                   leaf_shapes: Optional[Sequence[Sequence[int]]] = None
+                   leaf_shapes: Optional[Sequence[Sequence[int]]] = None,
+                   leaf_grads: Optional[Sequence[np.ndarray]] = None
                    ) -> tuple[dict[str, LinearCost], dict[str, list]]:
   """Fits each method's whole local update time per message.
 
   Times `training_optimizer(method)` on each message: what a message costs
   between its gradients being ready and its collective, plus the optimizer's
-  work on it afterwards. Communication is not included. A message is one leaf
-  of each of `sizes`; with `leaf_shapes`, the methods that are not
-  `PER_LEAF_METHODS` are timed instead on groups of the model's leaves (the
-  last m in backward order, `suffix_groups` of `sizes`), sent as one message:
-  what a planned group or a whole-model message runs.
+  work on it afterwards. Communication is not included. Without the model's
+  leaves, a message is one leaf of each of `sizes`, filled with normal noise.
+  With `leaf_shapes` or `leaf_grads`, every method is timed instead on groups
+  of the model's own leaves (the last m in backward order, `suffix_groups` of
+  `sizes`): the grouping methods send a group as one message (what a planned
+  group or a whole-model message runs), `PER_LEAF_METHODS` each of its leaves
+  as its own message in the same program (fitted by `fit_per_leaf`).
+
+  The values matter: a selection's cost depends on them (sorting ties is
+  cheap, and ResNet-50's gradients at 32x32 input are 81% exact zeros: Top-k
+  over its 25.6M values takes 2.6 s on them against 7.2 s on normal noise),
+  so `leaf_grads` -- the model's real gradients -- are what a profile should
+  time; `leaf_shapes` alone fills the leaves with noise.
 
   Args:
     sizes: message sizes (elements) to time.
@@ -345,40 +404,54 @@ def measure_update(sizes: Sequence[int], density: float, *,
       returned alone, as "dlgs_exact" and "dlgs_reuse".
     repeats: timed repetitions per point.
     barrier: see `median_seconds`.
-    leaf_shapes: the model's parameter shapes in backward order, or None to
-      time every method on single leaves.
+    leaf_shapes: the model's parameter shapes in backward order.
+    leaf_grads: the model's gradients (arrays) in backward order; their
+      shapes must equal `leaf_shapes` where both are given.
 
   Returns:
     (cost per method, the raw measurements: "sizes", one list of seconds per
-    method, and with `leaf_shapes` "group_sizes" -- the groups' elements --
-    and "grouped" -- the methods timed on them, whose lists follow
-    "group_sizes").
+    method, and with the model's leaves "group_sizes" -- the groups'
+    elements --, "group_leaves" -- their leaf counts --, "grouped" -- the
+    methods timed on them, whose lists follow "group_sizes" -- and "values":
+    "gradients" or "noise").
+
+  Raises:
+    ValueError: `leaf_grads` and `leaf_shapes` disagree.
   """
   rng = np.random.default_rng(0)
   keys = [m for m in methods] + (["dlgs_exact", "dlgs_reuse"] if "dlgs" in methods else [])
   raw: dict[str, list] = {"sizes": [int(s) for s in sizes], **{m: [] for m in keys}}
+  if leaf_grads is not None:
+    grad_shapes = [tuple(int(d) for d in np.shape(g)) for g in leaf_grads]
+    if leaf_shapes is not None and [tuple(int(d) for d in s) for s in leaf_shapes] != grad_shapes:
+      raise ValueError(f"leaf_grads have shapes {grad_shapes}, leaf_shapes say "
+                       f"{[tuple(s) for s in leaf_shapes]}")
+    leaf_shapes = grad_shapes
   groups = None
   if leaf_shapes is not None:
     shapes = [tuple(int(d) for d in shape) for shape in leaf_shapes]
+    values = ([np.asarray(g, np.float32) for g in leaf_grads] if leaf_grads is not None else
+              [rng.standard_normal(shape).astype(np.float32) for shape in shapes])
     counts = suffix_groups([int(np.prod(shape)) for shape in shapes], sizes)
-    groups = [shapes[len(shapes) - m:] for m in counts]
-    raw["group_sizes"] = [int(sum(int(np.prod(s)) for s in g)) for g in groups]
-    raw["grouped"] = [m for m in methods if m not in PER_LEAF_METHODS]
+    groups = [values[len(values) - m:] for m in counts]
+    raw["group_sizes"] = [int(sum(v.size for v in g)) for g in groups]
+    raw["group_leaves"] = list(counts)
+    raw["grouped"] = list(methods)
+    raw["values"] = "gradients" if leaf_grads is not None else "noise"
 
-  def messages(method):
-    if groups is not None and method not in PER_LEAF_METHODS:
+  def messages():
+    if groups is not None:
       # Zero-padded keys: the dict flattens in backward order.
-      return [{f"{i:04d}": shape for i, shape in enumerate(g)} for g in groups]
+      return [{f"{i:04d}": v for i, v in enumerate(g)} for g in groups]
     # Two dimensions, so DGC sparsifies the message (it sends 1-D leaves whole).
-    return [{"x": (1, size)} for size in sizes]
+    return [{"x": rng.standard_normal((1, size)).astype(np.float32)} for size in sizes]
 
   for method in methods:
-    for message in messages(method):
+    for message in messages():
       tx = training_optimizer(method, density, reuse_every=reuse_every, order=list(message))
       update = jax.jit(tx.update)
-      params = {k: jnp.zeros(shape, jnp.float32) for k, shape in message.items()}
-      grads = {k: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
-               for k, shape in message.items()}
+      params = {k: jnp.zeros(v.shape, jnp.float32) for k, v in message.items()}
+      grads = {k: jnp.asarray(v) for k, v in message.items()}
       first = tx.init(params)
       # After one step the state is mid-period: a DLGS reuse step. Without
       # its residual the reused threshold passes exactly k values of the same
@@ -391,8 +464,36 @@ def measure_update(sizes: Sequence[int], density: float, *,
         raw["dlgs_reuse"].append(t_later)
         t_later = (t_first + (reuse_every - 1) * t_later) / reuse_every
       raw[method].append(t_later)
-  return {m: fit_linear(raw["group_sizes"] if _timed_on_groups(raw, m) else raw["sizes"],
-                        raw[m]) for m in keys}, raw
+  return fit_update(raw, max(raw["sizes"]) if groups is None else
+                    max(int(np.prod(s)) for s in leaf_shapes)), raw
+
+
+def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
+                    labels: np.ndarray) -> dict:
+  """The training loss's gradient with respect to the params on one real batch.
+
+  What a profile times the local updates on (`measure_update`): their
+  selection costs depend on the values.
+
+  Args:
+    model: the Flax classifier.
+    variables: its variables ("params", maybe "batch_stats").
+    images: uint8 [batch_size, H, W, C].
+    labels: int32 [batch_size].
+
+  Returns:
+    Gradients shaped like ``variables["params"]`` (float32 arrays).
+  """
+  from dlgs_jax import data, training
+
+  batch_stats = variables.get("batch_stats", {})
+
+  def loss_fn(p, x, y):
+    logits, _ = training.apply_for_training(model, p, batch_stats, data.normalize(x))
+    return training.cross_entropy(logits, y)
+
+  return jax.jit(jax.grad(loss_fn))(variables["params"], jnp.asarray(images),
+                                    jnp.asarray(labels))
 
 
 def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, labels: np.ndarray,
@@ -629,7 +730,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
       this is not None, the share of thresholds it recomputes per step is
       measured (`measure_refresh`) into ``profile.dlgs_exact_fraction``.
     batches: (uint8 images [n, batch_size, H, W, C], labels [n, batch_size])
-      for the refresh measurement; default: one worker's
+      for the refresh measurement, the first one also for the gradients the
+      updates are timed on (`model_gradients`); default: one worker's
       `data.benchmark_batches` (real CIFAR-10 images at 32x32x3).
     barrier: see `median_seconds`; pass one when several processes profile
       together.
@@ -644,6 +746,10 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   model, shape = models.create_model(name)
   if image_size is not None:
     shape = (image_size, image_size, shape[2])
+  if batches is None:
+    # Twice the reuse period: enough distinct batches for `measure_refresh`.
+    batches = data.benchmark_batches(shape, model.num_classes, 2 * reuse_every, 1, batch_size)
+    batches = (batches[0][:, 0], batches[1][:, 0])
   rng = np.random.default_rng(seed)
   images = jnp.asarray(rng.standard_normal((batch_size,) + shape).astype(np.float32))
   labels = jnp.asarray(rng.integers(0, model.num_classes, batch_size).astype(np.int32))
@@ -652,11 +758,11 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   compute = measure_compute(model, variables, images, labels, repeats=repeats, barrier=barrier)
   total = sum(compute["sizes"])
   progress(f"timing the local update of {', '.join(methods)}")
-  shape_of = dict(zip(grouping.leaf_paths(variables["params"]),
-                      (x.shape for x in jax.tree_util.tree_leaves(variables["params"]))))
+  grads = model_gradients(model, variables, batches[0][0], batches[1][0])
+  grad_of = dict(zip(grouping.leaf_paths(grads), jax.tree_util.tree_leaves(grads)))
   _, sparsify_raw = measure_update(update_grid(compute["sizes"]), density, methods=methods,
                                    reuse_every=reuse_every, repeats=repeats, barrier=barrier,
-                                   leaf_shapes=[shape_of[p] for p in compute["order"]])
+                                   leaf_grads=[grad_of[p] for p in compute["order"]])
   sparsify = fit_update(sparsify_raw, max(compute["sizes"]))
   mesh = mesh or parallel.data_mesh()
   workers = int(mesh.devices.size)
@@ -668,9 +774,6 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   fraction = None
   if "dlgs" in methods and refresh_below is not None:
     progress("measuring how often DLGS's refresh rule recomputes thresholds")
-    if batches is None:
-      batches = data.benchmark_batches(shape, model.num_classes, 2 * reuse_every, 1, batch_size)
-      batches = (batches[0][:, 0], batches[1][:, 0])
     fraction = measure_refresh(model, variables, *batches, density, reuse_every=reuse_every,
                                refresh_below=refresh_below)
   # Measured on the emulated cluster (experiments/README.md): XLA's CPU

@@ -148,16 +148,81 @@ def test_measure_update_times_grouping_methods_on_the_models_leaves():
   counts = profiler.suffix_groups(elements, sizes)
   assert raw["group_sizes"] == [sum(elements[len(elements) - m:]) for m in counts]
   assert raw["group_sizes"][0] == 864 and raw["group_sizes"][-1] == sum(elements)
-  assert raw["grouped"] == ["dense", "dlgs", "topk"]
-  for method in ("dense", "dlgs", "dlgs_exact", "dlgs_reuse", "topk"):
+  assert raw["group_leaves"] == counts and raw["values"] == "noise"
+  assert raw["grouped"] == ["dense", "dlgs", "lags", "topk"]
+  for method in ("dense", "dlgs", "dlgs_exact", "dlgs_reuse", "topk", "lags"):
     assert len(raw[method]) == len(raw["group_sizes"])
+  for method in ("dense", "dlgs", "dlgs_exact", "dlgs_reuse", "topk"):
     assert costs[method] == profiler.fit_linear(raw["group_sizes"], raw[method])
-  # LAGS sends one message per leaf: still timed on single leaves of `sizes`.
-  assert len(raw["lags"]) == len(sizes)
-  assert costs["lags"] == profiler.fit_linear(sizes, raw["lags"])
+  # LAGS sends each leaf of a group as its own message: a cost per leaf.
+  assert costs["lags"] == profiler.fit_per_leaf(counts, raw["group_sizes"], raw["lags"])
   # fit_update (what profile_model and refit_profile use) reads the same groups.
   refit = profiler.fit_update(raw, largest_leaf=max(elements))
-  assert refit["dlgs_exact"] == costs["dlgs_exact"] and refit["topk"] == costs["topk"]
+  assert refit == costs
+
+
+def test_measure_update_times_the_models_gradients():
+  rng = np.random.default_rng(3)
+  # Mostly exact zeros, as ResNet-50's gradients at 32x32 input are.
+  grads = [np.where(rng.random(s) < 0.8, 0.0, rng.standard_normal(s)).astype(np.float32)
+           for s in [(16, 10), (10,), (3, 3, 3, 16)]]
+  costs, raw = profiler.measure_update([160, 600], 0.1, methods=("topk", "terngrad"),
+                                       repeats=1, leaf_grads=grads)
+  assert raw["values"] == "gradients" and raw["grouped"] == ["topk", "terngrad"]
+  assert raw["group_sizes"][-1] == 160 + 10 + 432 and raw["group_leaves"][-1] == 3
+  assert costs["terngrad"] == profiler.fit_per_leaf(raw["group_leaves"], raw["group_sizes"],
+                                                    raw["terngrad"])
+  with pytest.raises(ValueError, match=r"leaf_shapes say \[\(16, 10\), \(10,\), \(3, 3, 3, 15\)\]"):
+    profiler.measure_update([160], 0.1, methods=("topk",), repeats=1, leaf_grads=grads,
+                            leaf_shapes=[(16, 10), (10,), (3, 3, 3, 15)])
+
+
+def test_fit_per_leaf_separates_the_per_leaf_cost_from_the_per_value_cost():
+  leaves = [1, 3, 10, 40]
+  elements = [500, 2_000, 90_000, 1_000_000]
+  times = [4e-5 * m + 2e-9 * n for m, n in zip(leaves, elements)]
+  fit = profiler.fit_per_leaf(leaves, elements, times)
+  assert fit.alpha == pytest.approx(4e-5, rel=1e-6) and fit.beta == pytest.approx(2e-9, rel=1e-6)
+  # Summed over a program's leaves the fitted cost gives the program's time.
+  assert fit.alpha * 40 + fit.beta * 1_000_000 == pytest.approx(times[-1], rel=1e-9)
+  # A per-leaf cost that would come out negative is dropped, not kept below zero.
+  per_value = profiler.fit_per_leaf(leaves, elements, [3e-9 * n - 1e-6 * m
+                                                       for m, n in zip(leaves, elements)])
+  assert per_value.alpha == 0.0 and per_value.beta > 0
+  per_leaf = profiler.fit_per_leaf(leaves, elements, [1e-3 * m - 1e-10 * n
+                                                      for m, n in zip(leaves, elements)])
+  assert per_leaf.beta == 0.0 and per_leaf.alpha > 0
+  with pytest.raises(ValueError, match=r"got \[0, 3\] and \[500, 2000\]"):
+    profiler.fit_per_leaf([0, 3], [500, 2000], [1.0, 2.0])
+  with pytest.raises(ValueError, match="2 leaf counts, 2 sizes and 1 times"):
+    profiler.fit_per_leaf([1, 3], [500, 2000], [1.0])
+
+
+def test_model_gradients_match_a_numpy_softmax_regression():
+  import flax.linen as nn
+
+  class Linear(nn.Module):
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train=True):
+      return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
+
+  model = Linear()
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (5, 2, 2, 3), dtype=np.uint8)
+  labels = np.asarray([0, 2, 1, 1, 0], np.int32)
+  variables = model.init(jax.random.key(1), jnp.zeros((1, 2, 2, 3)))
+  grads = profiler.model_gradients(model, variables, images, labels)
+  x = np.asarray(data.normalize(jnp.asarray(images)), np.float64).reshape(5, -1)
+  w = np.asarray(variables["params"]["Dense_0"]["kernel"], np.float64)
+  b = np.asarray(variables["params"]["Dense_0"]["bias"], np.float64)
+  logits = x @ w + b
+  p = np.exp(logits - logits.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  delta = (p - np.eye(3)[labels]) / 5
+  np.testing.assert_allclose(grads["Dense_0"]["kernel"], x.T @ delta, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(grads["Dense_0"]["bias"], delta.sum(0), rtol=1e-4, atol=1e-6)
 
 
 def test_training_optimizer_sends_a_dlgs_group_as_one_message():
@@ -270,3 +335,19 @@ def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
   assert wrong.returncode != 0 and "smallcnn" in wrong.stderr
   bad = run_cli("--model", "smallcnn", "--refresh-below", "often", "--out-dir", str(tmp_path))
   assert bad.returncode != 0 and "got 'often'" in bad.stderr
+
+
+def test_profile_model_times_updates_on_the_models_real_gradients():
+  model, shape = models.create_model("smallcnn")
+  images, labels = data.benchmark_batches(shape, 10, 2, 1, 4)
+  profile, details = profiler.profile_model(
+      "smallcnn", density=0.05, batch_size=4, mesh=parallel.data_mesh(1), repeats=1,
+      methods=("lags", "dense"), refresh_below=None, batches=(images[:, 0], labels[:, 0]))
+  raw = details["sparsify_raw"]
+  assert raw["values"] == "gradients" and raw["grouped"] == ["lags", "dense"]
+  # The largest timed group is the whole model, in the profile's backward order.
+  assert raw["group_sizes"][-1] == sum(profile.sizes)
+  assert raw["group_leaves"][-1] == profile.num_layers
+  assert profile.sparsify["lags"] == profiler.fit_per_leaf(raw["group_leaves"],
+                                                           raw["group_sizes"], raw["lags"])
+  assert profile.sparsify["dense"] == profiler.fit_linear(raw["group_sizes"], raw["dense"])
