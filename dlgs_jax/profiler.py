@@ -12,7 +12,8 @@
   ``alpha + beta * elements`` over the sizes the method's messages have
   (`fit_update`). Every method is timed on groups of the model's own leaves
   holding its real gradients -- the last m leaves in backward order, up to the
-  whole model (`suffix_groups`) --: the grouping methods (one message for the
+  whole model (`suffix_groups`) --, from the state a few updates on real
+  batches leave (residuals, momentum, thresholds): the grouping methods (one message for the
   model, or planned groups) send a group as one message, the per-leaf methods
   (`PER_LEAF_METHODS`) each leaf as its own message in one program, fitted as
   ``m * alpha + beta * elements`` (`fit_per_leaf`). One leaf as large as the
@@ -42,6 +43,7 @@ are timed sharing it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -236,7 +238,7 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   in_leaf_range[:2] = True
   costs = {}
   for method, times in raw.items():
-    if method in ("sizes", "group_sizes", "group_leaves", "grouped", "values"):
+    if method in ("sizes", "group_sizes", "group_leaves", "grouped", "values", "warmup_steps"):
       continue
     times = np.asarray(times, np.float64)
     if _timed_on_groups(raw, method) and method in PER_LEAF_METHODS and "group_leaves" in raw:
@@ -354,18 +356,21 @@ def refit_profile(profile: Profile, details: dict) -> Profile:
 
 
 def training_optimizer(method: str, density: float, *, reuse_every: int = 10,
-                       order: Sequence[str] = ("x",)) -> optax.GradientTransformation:
+                       order: Sequence[str] = ("x",),
+                       refresh_below: Optional[float] = 0.5) -> optax.GradientTransformation:
   """`method`'s local update (``axis_name=None``) chained with training's optimizer.
 
   The same chain `dlgs-train` and `dlgs_jax.benchmark` build (weight decay and
   momentum SGD after the compressor), for a flat dict whose keys are `order`
   (backward order), sent as one group -- one message -- by the methods that
-  group leaves (dense, DLGS; LAGS keeps one message per leaf).
+  group leaves (dense, DLGS; LAGS keeps one message per leaf). `refresh_below`
+  is DLGS's refresh rule (None: the paper's fixed schedule).
   """
   from dlgs_jax import train
 
   settings = train.parse_args(["--method", method, "--density", str(density),
-                               "--reuse-every", str(reuse_every)])
+                               "--reuse-every", str(reuse_every), "--refresh-below",
+                               "none" if refresh_below is None else str(refresh_below)])
   order = list(order)
   groups = [order] if method in ("dense", "dlgs") else None
   return train.build_optimizer(settings, None, 0.01, groups, order)
@@ -375,7 +380,8 @@ def measure_update(sizes: Sequence[int], density: float, *,
                    methods: Sequence[str] = UPDATE_METHODS, reuse_every: int = 10,
                    repeats: int = 5, barrier: Optional[Callable[[], Any]] = None,
                    leaf_shapes: Optional[Sequence[Sequence[int]]] = None,
-                   leaf_grads: Optional[Sequence[np.ndarray]] = None
+                   leaf_grads: Optional[Sequence[Sequence[Any]]] = None,
+                   warmup_steps: Optional[int] = None
                    ) -> tuple[dict[str, LinearCost], dict[str, list]]:
   """Fits each method's whole local update time per message.
 
@@ -389,11 +395,16 @@ def measure_update(sizes: Sequence[int], density: float, *,
   group or a whole-model message runs), `PER_LEAF_METHODS` each of its leaves
   as its own message in the same program (fitted by `fit_per_leaf`).
 
-  The values matter: a selection's cost depends on them (sorting ties is
-  cheap, and ResNet-50's gradients at 32x32 input are 81% exact zeros: Top-k
-  over its 25.6M values takes 2.6 s on them against 7.2 s on normal noise),
-  so `leaf_grads` -- the model's real gradients -- are what a profile should
-  time; `leaf_shapes` alone fills the leaves with noise.
+  The values and the state matter, since a selection's cost depends on them:
+  sorting ties is cheap, and one batch's ResNet-50 gradients at 32x32 input
+  are 81% exact zeros (Top-k over the 25.6M values: 2.6 s on them against
+  7.2 s on normal noise), which residuals and momentum fill in as training
+  goes. So each timed step first runs `warmup_steps` updates, on all but the
+  last batch of `leaf_grads` in turn, and is then timed on the last: the
+  state it sees is one training leaves (residuals, momentum, thresholds).
+  DLGS is timed with the refresh rule off, on an exact step (the warm-up ends
+  at a multiple of `reuse_every`) and on the reuse step after it; the model
+  mixes the two by the measured refresh rate.
 
   Args:
     sizes: message sizes (elements) to time.
@@ -405,67 +416,119 @@ def measure_update(sizes: Sequence[int], density: float, *,
     repeats: timed repetitions per point.
     barrier: see `median_seconds`.
     leaf_shapes: the model's parameter shapes in backward order.
-    leaf_grads: the model's gradients (arrays) in backward order; their
-      shapes must equal `leaf_shapes` where both are given.
+    leaf_grads: the model's gradients on one or more batches: per batch, one
+      array per leaf in backward order (shapes equal to `leaf_shapes` where
+      both are given). Without them, two draws of normal noise.
+    warmup_steps: updates before each timed step (default `reuse_every`;
+      DLGS rounds it up to a multiple of `reuse_every`).
 
   Returns:
     (cost per method, the raw measurements: "sizes", one list of seconds per
-    method, and with the model's leaves "group_sizes" -- the groups'
-    elements --, "group_leaves" -- their leaf counts --, "grouped" -- the
-    methods timed on them, whose lists follow "group_sizes" -- and "values":
-    "gradients" or "noise").
+    method, "warmup_steps", and with the model's leaves "group_sizes" -- the
+    groups' elements --, "group_leaves" -- their leaf counts --, "grouped" --
+    the methods timed on them, whose lists follow "group_sizes" -- and
+    "values": "gradients" or "noise").
 
   Raises:
-    ValueError: `leaf_grads` and `leaf_shapes` disagree.
+    ValueError: `leaf_grads` and `leaf_shapes` disagree, or `warmup_steps` < 0.
   """
+  warmup_steps = reuse_every if warmup_steps is None else warmup_steps
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
   rng = np.random.default_rng(0)
   keys = [m for m in methods] + (["dlgs_exact", "dlgs_reuse"] if "dlgs" in methods else [])
-  raw: dict[str, list] = {"sizes": [int(s) for s in sizes], **{m: [] for m in keys}}
+  raw: dict[str, Any] = {"sizes": [int(s) for s in sizes], **{m: [] for m in keys},
+                         "warmup_steps": int(warmup_steps)}
+
+  def noise(shape):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
   if leaf_grads is not None:
-    grad_shapes = [tuple(int(d) for d in np.shape(g)) for g in leaf_grads]
-    if leaf_shapes is not None and [tuple(int(d) for d in s) for s in leaf_shapes] != grad_shapes:
-      raise ValueError(f"leaf_grads have shapes {grad_shapes}, leaf_shapes say "
+    if not len(leaf_grads):
+      raise ValueError("leaf_grads: no batches")
+    grad_shapes = [[tuple(int(d) for d in np.shape(g)) for g in batch] for batch in leaf_grads]
+    if any(shapes != grad_shapes[0] for shapes in grad_shapes):
+      raise ValueError(f"leaf_grads: the batches' leaves differ in shape: {grad_shapes}")
+    if leaf_shapes is not None and [tuple(int(d) for d in s) for s in leaf_shapes] != grad_shapes[0]:
+      raise ValueError(f"leaf_grads have shapes {grad_shapes[0]}, leaf_shapes say "
                        f"{[tuple(s) for s in leaf_shapes]}")
-    leaf_shapes = grad_shapes
-  groups = None
+    leaf_shapes = grad_shapes[0]
   if leaf_shapes is not None:
     shapes = [tuple(int(d) for d in shape) for shape in leaf_shapes]
-    values = ([np.asarray(g, np.float32) for g in leaf_grads] if leaf_grads is not None else
-              [rng.standard_normal(shape).astype(np.float32) for shape in shapes])
+    batches = ([[jnp.asarray(g, jnp.float32) for g in batch] for batch in leaf_grads]
+               if leaf_grads is not None else [[noise(s) for s in shapes] for _ in range(2)])
     counts = suffix_groups([int(np.prod(shape)) for shape in shapes], sizes)
-    groups = [values[len(values) - m:] for m in counts]
-    raw["group_sizes"] = [int(sum(v.size for v in g)) for g in groups]
+    # Zero-padded keys: the dict flattens in backward order.
+    messages = [[{f"{i:04d}": v for i, v in enumerate(batch[len(batch) - m:])}
+                 for batch in batches] for m in counts]
+    raw["group_sizes"] = [int(sum(int(np.prod(s)) for s in shapes[len(shapes) - m:]))
+                          for m in counts]
     raw["group_leaves"] = list(counts)
     raw["grouped"] = list(methods)
     raw["values"] = "gradients" if leaf_grads is not None else "noise"
-
-  def messages():
-    if groups is not None:
-      # Zero-padded keys: the dict flattens in backward order.
-      return [{f"{i:04d}": v for i, v in enumerate(g)} for g in groups]
+  else:
     # Two dimensions, so DGC sparsifies the message (it sends 1-D leaves whole).
-    return [{"x": rng.standard_normal((1, size)).astype(np.float32)} for size in sizes]
+    messages = [[{"x": noise((1, size))} for _ in range(2)] for size in sizes]
 
   for method in methods:
-    for message in messages():
-      tx = training_optimizer(method, density, reuse_every=reuse_every, order=list(message))
+    for message in messages:
+      order = list(message[0])
+      # DLGS: the fixed schedule, so that the timed steps are exact and reuse as asked.
+      tx = training_optimizer(method, density, reuse_every=reuse_every, order=order,
+                              refresh_below=None if method == "dlgs" else 0.5)
       update = jax.jit(tx.update)
-      params = {k: jnp.zeros(v.shape, jnp.float32) for k, v in message.items()}
-      grads = {k: jnp.asarray(v) for k, v in message.items()}
-      first = tx.init(params)
-      # After one step the state is mid-period: a DLGS reuse step. Without
-      # its residual the reused threshold passes exactly k values of the same
-      # gradient, so the timed step reuses it rather than refreshing it.
-      later = _without_residuals(update(grads, first, params)[1])
-      t_later = median_seconds(lambda: update(grads, later, params), repeats, barrier=barrier)
+      params = {k: jnp.zeros(v.shape, jnp.float32) for k, v in message[0].items()}
+      warm, timed = message[:-1] or message, message[-1]
       if method == "dlgs":
-        t_first = median_seconds(lambda: update(grads, first, params), repeats, barrier=barrier)
-        raw["dlgs_exact"].append(t_first)
-        raw["dlgs_reuse"].append(t_later)
-        t_later = (t_first + (reuse_every - 1) * t_later) / reuse_every
-      raw[method].append(t_later)
-  return fit_update(raw, max(raw["sizes"]) if groups is None else
+        exact_state, reuse_state = dlgs_timed_states(update, tx.init(params), warm, params,
+                                                     reuse_every, warmup_steps)
+        exact = median_seconds(lambda: update(timed, exact_state, params), repeats,
+                               barrier=barrier)
+        reuse = median_seconds(lambda: update(timed, reuse_state, params), repeats,
+                               barrier=barrier)
+        raw["dlgs_exact"].append(exact)
+        raw["dlgs_reuse"].append(reuse)
+        raw[method].append((exact + (reuse_every - 1) * reuse) / reuse_every)
+      else:
+        state = warm_state(update, tx.init(params), warm, params, warmup_steps)
+        raw[method].append(median_seconds(lambda: update(timed, state, params), repeats,
+                                          barrier=barrier))
+  return fit_update(raw, max(raw["sizes"]) if leaf_shapes is None else
                     max(int(np.prod(s)) for s in leaf_shapes)), raw
+
+
+def warm_state(update: Callable, state: Any, batches: Sequence[Any], params: Any,
+               steps: int, first: int = 0) -> Any:
+  """`state` after `steps` calls of ``update(grads, state, params)``.
+
+  The grads cycle through `batches`, starting at ``batches[first % len(batches)]``.
+  """
+  for i in range(first, first + steps):
+    state = update(batches[i % len(batches)], state, params)[1]
+  return jax.block_until_ready(state)
+
+
+def dlgs_timed_states(update: Callable, state: Any, batches: Sequence[Any], params: Any,
+                      reuse_every: int, warmup_steps: int) -> tuple[Any, Any]:
+  """The two DLGS states `measure_update` times: before an exact step, and before a reuse step.
+
+  `update` must run DLGS's fixed schedule (no refresh rule): thresholds are
+  computed exactly when the step count is a multiple of `reuse_every`. The
+  warm-up runs the smallest such count >= max(`warmup_steps`, 1); one more
+  step gives the reuse state (with ``reuse_every == 1`` both are exact).
+
+  Returns:
+    (exact_state, reuse_state).
+  """
+  steps = reuse_every * max(1, math.ceil(warmup_steps / reuse_every))
+  exact_state = warm_state(update, state, batches, params, steps)
+  return exact_state, warm_state(update, exact_state, batches, params, 1, first=steps)
+
+
+# Batches whose gradients `profile_model` times the updates on: the updates
+# warm up on all but the last (see `measure_update`). Each is a copy of the
+# model's gradients in memory (100 MB for ResNet-50).
+UPDATE_BATCHES = 3
 
 
 def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
@@ -559,16 +622,6 @@ def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, label
                                                  jnp.asarray(images[j]), jnp.asarray(labels[j]))
     exact.append(int(count))
   return float(np.mean(exact[1:])) / len(paths)
-
-
-def _without_residuals(opt_state):
-  def is_compressor_state(x):
-    return hasattr(x, "residuals") and hasattr(x, "_replace")
-
-  return jax.tree_util.tree_map(
-      lambda x: (x._replace(residuals=jax.tree_util.tree_map(jnp.zeros_like, x.residuals))
-                 if is_compressor_state(x) else x),
-      opt_state, is_leaf=is_compressor_state)
 
 
 # ---------------------------------------------------------- communication ---
@@ -730,8 +783,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
       this is not None, the share of thresholds it recomputes per step is
       measured (`measure_refresh`) into ``profile.dlgs_exact_fraction``.
     batches: (uint8 images [n, batch_size, H, W, C], labels [n, batch_size])
-      for the refresh measurement, the first one also for the gradients the
-      updates are timed on (`model_gradients`); default: one worker's
+      for the refresh measurement, the first `UPDATE_BATCHES` also for the
+      gradients the updates are timed on (`model_gradients`); default: one worker's
       `data.benchmark_batches` (real CIFAR-10 images at 32x32x3).
     barrier: see `median_seconds`; pass one when several processes profile
       together.
@@ -758,11 +811,14 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   compute = measure_compute(model, variables, images, labels, repeats=repeats, barrier=barrier)
   total = sum(compute["sizes"])
   progress(f"timing the local update of {', '.join(methods)}")
-  grads = model_gradients(model, variables, batches[0][0], batches[1][0])
-  grad_of = dict(zip(grouping.leaf_paths(grads), jax.tree_util.tree_leaves(grads)))
+  leaf_grads = []
+  for i in range(min(UPDATE_BATCHES, len(batches[0]))):
+    grads = model_gradients(model, variables, batches[0][i], batches[1][i])
+    grad_of = dict(zip(grouping.leaf_paths(grads), jax.tree_util.tree_leaves(grads)))
+    leaf_grads.append([grad_of[p] for p in compute["order"]])
   _, sparsify_raw = measure_update(update_grid(compute["sizes"]), density, methods=methods,
                                    reuse_every=reuse_every, repeats=repeats, barrier=barrier,
-                                   leaf_grads=[grad_of[p] for p in compute["order"]])
+                                   leaf_grads=leaf_grads)
   sparsify = fit_update(sparsify_raw, max(compute["sizes"]))
   mesh = mesh or parallel.data_mesh()
   workers = int(mesh.devices.size)

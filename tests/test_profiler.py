@@ -163,18 +163,24 @@ def test_measure_update_times_grouping_methods_on_the_models_leaves():
 
 def test_measure_update_times_the_models_gradients():
   rng = np.random.default_rng(3)
-  # Mostly exact zeros, as ResNet-50's gradients at 32x32 input are.
-  grads = [np.where(rng.random(s) < 0.8, 0.0, rng.standard_normal(s)).astype(np.float32)
-           for s in [(16, 10), (10,), (3, 3, 3, 16)]]
+  # Mostly exact zeros, as ResNet-50's gradients at 32x32 input are; two batches.
+  grads = [[np.where(rng.random(s) < 0.8, 0.0, rng.standard_normal(s)).astype(np.float32)
+            for s in [(16, 10), (10,), (3, 3, 3, 16)]] for _ in range(2)]
   costs, raw = profiler.measure_update([160, 600], 0.1, methods=("topk", "terngrad"),
-                                       repeats=1, leaf_grads=grads)
+                                       repeats=1, leaf_grads=grads, warmup_steps=2)
   assert raw["values"] == "gradients" and raw["grouped"] == ["topk", "terngrad"]
+  assert raw["warmup_steps"] == 2
   assert raw["group_sizes"][-1] == 160 + 10 + 432 and raw["group_leaves"][-1] == 3
   assert costs["terngrad"] == profiler.fit_per_leaf(raw["group_leaves"], raw["group_sizes"],
                                                     raw["terngrad"])
   with pytest.raises(ValueError, match=r"leaf_shapes say \[\(16, 10\), \(10,\), \(3, 3, 3, 15\)\]"):
     profiler.measure_update([160], 0.1, methods=("topk",), repeats=1, leaf_grads=grads,
                             leaf_shapes=[(16, 10), (10,), (3, 3, 3, 15)])
+  with pytest.raises(ValueError, match="the batches' leaves differ in shape"):
+    profiler.measure_update([160], 0.1, methods=("topk",), repeats=1,
+                            leaf_grads=[grads[0], grads[1][:2]])
+  with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
+    profiler.measure_update([160], 0.1, methods=("topk",), leaf_grads=grads, warmup_steps=-1)
 
 
 def test_fit_per_leaf_separates_the_per_leaf_cost_from_the_per_value_cost():
@@ -277,29 +283,40 @@ def test_measure_refresh_counts_exact_thresholds_over_real_steps():
     profiler.measure_refresh(model, variables, images, labels, 0.05, steps=1)
 
 
-def test_measure_update_times_a_dlgs_reuse_step():
-  # The timed "later" state must reuse its threshold: exactly k values of the
-  # same gradient pass it, so the refresh rule does not recompute it.
-  tx = profiler.training_optimizer("dlgs", 0.01, reuse_every=10)
-  params = {"x": jnp.zeros(10000, jnp.float32)}
-  grads = {"x": jnp.asarray(np.random.default_rng(1).standard_normal(10000), jnp.float32)}
+def test_dlgs_timed_states_are_an_exact_step_and_a_reuse_step():
+  # measure_update times DLGS (fixed schedule) from these two states: the
+  # first step recomputes every threshold, the second reuses them all.
+  tx = profiler.training_optimizer("dlgs", 0.05, reuse_every=4, order=["0000", "0001"],
+                                   refresh_below=None)
   update = jax.jit(tx.update)
-  kept = update(grads, tx.init(params), params)[1]
-  later = profiler._without_residuals(kept)
-  dlgs_state = next(s for s in later if isinstance(s, dlgs_jax.DLGSState))
-  threshold = float(dlgs_state.thresholds["x"])
-  g = np.asarray(grads["x"])
-  # With its residual the next step's accumulation would overflow the buffer
-  # (the refresh rule would recompute); without it exactly k values pass.
-  residual = np.asarray(next(s for s in kept if isinstance(s, dlgs_jax.DLGSState)).residuals["x"])
-  assert np.sum(np.abs(g + residual) >= threshold) > 2 * 100
-  assert np.sum(np.abs(g) >= threshold) == 100
-  assert float(jnp.abs(dlgs_state.residuals["x"]).max()) == 0.0
-  _, after = update(grads, later, params)
-  after_dlgs = next(s for s in after if isinstance(s, dlgs_jax.DLGSState))
-  assert int(after_dlgs.count) == 2
-  np.testing.assert_array_equal(after_dlgs.thresholds["x"], dlgs_state.thresholds["x"])
-  assert int(dlgs_jax.comm_stats(after).passed.sum()) == 100
+  rng = np.random.default_rng(1)
+  params = {"0000": jnp.zeros((40, 25)), "0001": jnp.zeros((30, 20))}
+  batches = [{k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+              for k, v in params.items()} for _ in range(3)]
+  exact_state, reuse_state = profiler.dlgs_timed_states(update, tx.init(params), batches[:2],
+                                                        params, 4, warmup_steps=5)
+
+  def dlgs_state(state):
+    return next(s for s in state if isinstance(s, dlgs_jax.DLGSState))
+
+  # The warm-up ends at the multiple of reuse_every at or after warmup_steps.
+  assert int(dlgs_state(exact_state).count) == 8 and int(dlgs_state(reuse_state).count) == 9
+  # The warm state is one training leaves: residuals hold the unsent mass.
+  assert float(jnp.abs(dlgs_state(exact_state).residuals["0000"]).max()) > 0
+  _, after_exact = update(batches[2], exact_state, params)
+  _, after_reuse = update(batches[2], reuse_state, params)
+  assert int(dlgs_jax.comm_stats(after_exact).exact) == 2
+  assert int(dlgs_jax.comm_stats(after_reuse).exact) == 0
+  for key in params:
+    np.testing.assert_array_equal(dlgs_state(after_reuse).thresholds[key],
+                                  dlgs_state(reuse_state).thresholds[key])
+  # warm_state cycles the batches from `first`.
+  manual = tx.init(params)
+  for i in (1, 0, 1):
+    manual = update(batches[i], manual, params)[1]
+  cycled = profiler.warm_state(update, tx.init(params), batches[:2], params, 3, first=1)
+  np.testing.assert_array_equal(dlgs_state(cycled).residuals["0001"],
+                                dlgs_state(manual).residuals["0001"])
 
 
 def run_cli(*args, timeout=600):
