@@ -382,7 +382,7 @@ def measure_update(sizes: Sequence[int], density: float, *,
                    leaf_shapes: Optional[Sequence[Sequence[int]]] = None,
                    leaf_grads: Optional[Sequence[Sequence[Any]]] = None,
                    warmup_steps: Optional[int] = None
-                   ) -> tuple[dict[str, LinearCost], dict[str, list]]:
+                   ) -> tuple[dict[str, LinearCost], dict[str, Any]]:
   """Fits each method's whole local update time per message.
 
   Times `training_optimizer(method)` on each message: what a message costs
@@ -430,7 +430,8 @@ def measure_update(sizes: Sequence[int], density: float, *,
     "values": "gradients" or "noise").
 
   Raises:
-    ValueError: `leaf_grads` and `leaf_shapes` disagree, or `warmup_steps` < 0.
+    ValueError: `leaf_grads` is empty, its batches differ in shape or disagree
+      with `leaf_shapes`, or `warmup_steps` < 0.
   """
   warmup_steps = reuse_every if warmup_steps is None else warmup_steps
   if warmup_steps < 0:
