@@ -533,31 +533,35 @@ UPDATE_BATCHES = 3
 
 
 def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
-                    labels: np.ndarray) -> dict:
-  """The training loss's gradient with respect to the params on one real batch.
+                    labels: np.ndarray) -> list[dict]:
+  """The training loss's gradient with respect to the params on each of some real batches.
 
   What a profile times the local updates on (`measure_update`): their
-  selection costs depend on the values.
+  selection costs depend on the values. One compiled program for all batches.
 
   Args:
     model: the Flax classifier.
     variables: its variables ("params", maybe "batch_stats").
-    images: uint8 [batch_size, H, W, C].
-    labels: int32 [batch_size].
+    images: uint8 [n, batch_size, H, W, C].
+    labels: int32 [n, batch_size].
 
   Returns:
-    Gradients shaped like ``variables["params"]`` (float32 arrays).
+    n gradient trees shaped like ``variables["params"]`` (float32 arrays).
   """
   from dlgs_jax import data, training
 
   batch_stats = variables.get("batch_stats", {})
 
-  def loss_fn(p, x, y):
-    logits, _ = training.apply_for_training(model, p, batch_stats, data.normalize(x))
-    return training.cross_entropy(logits, y)
+  @jax.jit
+  def grad_fn(p, x, y):
+    def loss_fn(p):
+      logits, _ = training.apply_for_training(model, p, batch_stats, data.normalize(x))
+      return training.cross_entropy(logits, y)
 
-  return jax.jit(jax.grad(loss_fn))(variables["params"], jnp.asarray(images),
-                                    jnp.asarray(labels))
+    return jax.grad(loss_fn)(p)
+
+  return [grad_fn(variables["params"], jnp.asarray(x), jnp.asarray(y))
+          for x, y in zip(images, labels)]
 
 
 def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, labels: np.ndarray,
@@ -813,8 +817,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   total = sum(compute["sizes"])
   progress(f"timing the local update of {', '.join(methods)}")
   leaf_grads = []
-  for i in range(min(UPDATE_BATCHES, len(batches[0]))):
-    grads = model_gradients(model, variables, batches[0][i], batches[1][i])
+  for grads in model_gradients(model, variables, batches[0][:UPDATE_BATCHES],
+                               batches[1][:UPDATE_BATCHES]):
     grad_of = dict(zip(grouping.leaf_paths(grads), jax.tree_util.tree_leaves(grads)))
     leaf_grads.append([grad_of[p] for p in compute["order"]])
   _, sparsify_raw = measure_update(update_grid(compute["sizes"]), density, methods=methods,
