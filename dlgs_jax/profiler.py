@@ -821,10 +821,9 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
                                batches[1][:UPDATE_BATCHES]):
     grad_of = dict(zip(grouping.leaf_paths(grads), jax.tree_util.tree_leaves(grads)))
     leaf_grads.append([grad_of[p] for p in compute["order"]])
-  _, sparsify_raw = measure_update(update_grid(compute["sizes"]), density, methods=methods,
-                                   reuse_every=reuse_every, repeats=repeats, barrier=barrier,
-                                   leaf_grads=leaf_grads)
-  sparsify = fit_update(sparsify_raw, max(compute["sizes"]))
+  sparsify, sparsify_raw = measure_update(
+      update_grid(compute["sizes"]), density, methods=methods, reuse_every=reuse_every,
+      repeats=repeats, barrier=barrier, leaf_grads=leaf_grads)
   mesh = mesh or parallel.data_mesh()
   workers = int(mesh.devices.size)
   comm, comm_raw = {}, {}
