@@ -396,10 +396,12 @@ def measure_update(sizes: Sequence[int], density: float, *,
   as its own message in the same program (fitted by `fit_per_leaf`).
 
   The values and the state matter, since a selection's cost depends on them:
-  sorting ties is cheap, and one batch's ResNet-50 gradients at 32x32 input
-  are 81% exact zeros (Top-k over the 25.6M values: 2.6 s on them against
-  7.2 s on normal noise), which residuals and momentum fill in as training
-  goes. So each timed step first runs `warmup_steps` updates, on all but the
+  sorting ties is cheap, and ResNet-50's gradients at initialisation (32x32
+  input) are 81% exact zeros (Top-k over the 25.6M values: 2.7 s on them
+  against 4.6 s on gradients after 12 training steps, 22% zeros; see
+  `train_locally`), and residuals and momentum fill in more. So pass
+  gradients from a model that has trained a few steps, as `profile_model`
+  does; each timed step first runs `warmup_steps` updates, on all but the
   last batch of `leaf_grads` in turn, and is then timed on the last: the
   state it sees is one training leaves (residuals, momentum, thresholds).
   DLGS is timed with the refresh rule off, on an exact step (the warm-up ends
@@ -530,6 +532,9 @@ def dlgs_timed_states(update: Callable, state: Any, batches: Sequence[Any], para
 # warm up on all but the last (see `measure_update`). Each is a copy of the
 # model's gradients in memory (100 MB for ResNet-50).
 UPDATE_BATCHES = 3
+# Dense training steps before those gradients are taken (`train_locally`): the
+# benchmark times steps 3 to 23 of a run.
+PROFILE_TRAIN_STEPS = 10
 
 
 def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
@@ -564,13 +569,90 @@ def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
           for x, y in zip(images, labels)]
 
 
+def local_training(model: nn.Module, params: Any, method: str, density: float, *,
+                   reuse_every: int = 10, refresh_below: Optional[float] = 0.5
+                   ) -> tuple[optax.GradientTransformation, Callable]:
+  """One worker's training (``axis_name=None``) with `method`, training's optimizer and rate.
+
+  Args:
+    model: the Flax classifier.
+    params: its params (their leaves name the optimizer's messages).
+    method, density, reuse_every, refresh_below: as `dlgs-train`'s flags.
+
+  Returns:
+    (tx, step): `train.build_optimizer`'s chain, and the jitted
+    ``step(params, batch_stats, opt_state, images uint8, labels) ->
+    (params, batch_stats, opt_state)``.
+  """
+  from dlgs_jax import data, train, training
+
+  settings = train.parse_args(["--method", method, "--density", str(density),
+                               "--reuse-every", str(reuse_every), "--refresh-below",
+                               "none" if refresh_below is None else str(refresh_below)])
+  train.check_args(settings)
+  tx = train.build_optimizer(settings, None, settings.lr, None, grouping.leaf_paths(params))
+
+  @jax.jit
+  def step(params, batch_stats, opt_state, x, y):
+    def loss_fn(p):
+      logits, new = training.apply_for_training(model, p, batch_stats, data.normalize(x))
+      return training.cross_entropy(logits, y), new
+
+    grads, new = jax.grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), new.get("batch_stats", batch_stats),
+            opt_state)
+
+  return tx, step
+
+
+def train_locally(model: nn.Module, variables: dict, images: np.ndarray, labels: np.ndarray,
+                  steps: int, *, method: str = "dense", density: float = 1.0) -> dict:
+  """`variables` after `steps` steps of one worker's training, batch i ``images[i % n]``.
+
+  Gradients at initialisation are not the ones training sends: ResNets
+  zero-initialise the last BatchNorm scale of each residual branch, so every
+  other parameter of the branch has an exactly zero gradient until the first
+  step moves that scale (81% of ResNet-50's gradient values at 32x32 input).
+  A selection's cost depends on its values (sorting ties is cheap), so the
+  profile times the updates on gradients taken after a few real steps.
+
+  Args:
+    model: the Flax classifier.
+    variables: its variables ("params", maybe "batch_stats").
+    images: uint8 [n, batch_size, H, W, C].
+    labels: int32 [n, batch_size].
+    steps: training steps (0 returns the values of `variables`).
+    method, density: the optimizer's compressor (default dense SGD).
+
+  Returns:
+    The trained variables: "params" and, where the model has them, "batch_stats".
+
+  Raises:
+    ValueError: `steps` < 0.
+  """
+  if steps < 0:
+    raise ValueError(f"steps must be >= 0, got {steps!r}")
+  params, batch_stats = variables["params"], variables.get("batch_stats", {})
+  tx, step = local_training(model, params, method, density)
+  opt_state = tx.init(params)
+  for i in range(steps):
+    j = i % images.shape[0]
+    params, batch_stats, opt_state = step(params, batch_stats, opt_state,
+                                          jnp.asarray(images[j]), jnp.asarray(labels[j]))
+  trained = {"params": params}
+  if "batch_stats" in variables:
+    trained["batch_stats"] = batch_stats
+  return jax.block_until_ready(trained)
+
+
 def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, labels: np.ndarray,
                     density: float, *, reuse_every: int = 10, refresh_below: float = 0.5,
                     steps: Optional[int] = None) -> float:
   """Share of DLGS leaf thresholds computed exactly per step, over real training steps.
 
   Trains one worker (``axis_name=None``) from `variables` with DLGS and
-  training's optimizer and learning rate (`train.build_optimizer`), batch i
+  training's optimizer and learning rate (`local_training`), batch i
   being ``images[i % len(images)]``, and counts `CommStats.exact`. The refresh
   rule recomputes a reused threshold when it passes too few or too many
   values, which depends on how the gradients drift from step to step: only
@@ -591,42 +673,22 @@ def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, label
   Returns:
     The mean over steps 1.. of (leaves computed exactly) / (leaves).
   """
-  from dlgs_jax import data, train, training
-  from dlgs_jax.state import CommStats
+  from dlgs_jax.state import comm_stats
 
   steps = 2 * reuse_every + 1 if steps is None else steps
   if steps < 2:
     raise ValueError(f"steps must be >= 2 (step 0 is not counted), got {steps!r}")
-  settings = train.parse_args(["--method", "dlgs", "--density", str(density),
-                               "--reuse-every", str(reuse_every),
-                               "--refresh-below", str(refresh_below)])
-  train.check_args(settings)
-  params = variables["params"]
-  paths = grouping.leaf_paths(params)
-  tx = train.build_optimizer(settings, None, settings.lr, None, paths)
-
-  @jax.jit
-  def step(params, batch_stats, opt_state, x, y):
-    def loss_fn(p):
-      logits, new = training.apply_for_training(model, p, batch_stats, data.normalize(x))
-      return training.cross_entropy(logits, y), new
-
-    grads, new = jax.grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    stats = [x for x in jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, CommStats)) if isinstance(x, CommStats)]
-    return (optax.apply_updates(params, updates), new.get("batch_stats", batch_stats),
-            opt_state, stats[0].exact)
-
-  batch_stats = variables.get("batch_stats", {})
+  params, batch_stats = variables["params"], variables.get("batch_stats", {})
+  tx, step = local_training(model, params, "dlgs", density, reuse_every=reuse_every,
+                            refresh_below=refresh_below)
   opt_state = tx.init(params)
   exact = []
   for i in range(steps):
     j = i % images.shape[0]
-    params, batch_stats, opt_state, count = step(params, batch_stats, opt_state,
-                                                 jnp.asarray(images[j]), jnp.asarray(labels[j]))
-    exact.append(int(count))
-  return float(np.mean(exact[1:])) / len(paths)
+    params, batch_stats, opt_state = step(params, batch_stats, opt_state,
+                                          jnp.asarray(images[j]), jnp.asarray(labels[j]))
+    exact.append(int(comm_stats(opt_state).exact))
+  return float(np.mean(exact[1:])) / len(grouping.leaf_paths(params))
 
 
 # ---------------------------------------------------------- communication ---
@@ -788,8 +850,10 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
       this is not None, the share of thresholds it recomputes per step is
       measured (`measure_refresh`) into ``profile.dlgs_exact_fraction``.
     batches: (uint8 images [n, batch_size, H, W, C], labels [n, batch_size])
-      for the refresh measurement, the first `UPDATE_BATCHES` also for the
-      gradients the updates are timed on (`model_gradients`); default: one worker's
+      for the refresh measurement and for the gradients the updates are timed
+      on: `PROFILE_TRAIN_STEPS` dense steps on the first batches
+      (`train_locally`), then the next `UPDATE_BATCHES` batches' gradients at
+      the trained params (`model_gradients`); default: one worker's
       `data.benchmark_batches` (real CIFAR-10 images at 32x32x3).
     barrier: see `median_seconds`; pass one when several processes profile
       together.
@@ -816,9 +880,10 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   compute = measure_compute(model, variables, images, labels, repeats=repeats, barrier=barrier)
   total = sum(compute["sizes"])
   progress(f"timing the local update of {', '.join(methods)}")
+  trained = train_locally(model, variables, batches[0], batches[1], PROFILE_TRAIN_STEPS)
+  after = (PROFILE_TRAIN_STEPS + np.arange(UPDATE_BATCHES)) % batches[0].shape[0]
   leaf_grads = []
-  for grads in model_gradients(model, variables, batches[0][:UPDATE_BATCHES],
-                               batches[1][:UPDATE_BATCHES]):
+  for grads in model_gradients(model, trained, batches[0][after], batches[1][after]):
     grad_of = dict(zip(grouping.leaf_paths(grads), jax.tree_util.tree_leaves(grads)))
     leaf_grads.append([grad_of[p] for p in compute["order"]])
   sparsify, sparsify_raw = measure_update(

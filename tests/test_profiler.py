@@ -234,6 +234,46 @@ def test_model_gradients_match_a_numpy_softmax_regression():
   np.testing.assert_allclose(grads["Dense_0"]["bias"], delta.sum(0), rtol=1e-4, atol=1e-6)
 
 
+def test_train_locally_runs_trainings_optimizer_on_the_batches_in_turn():
+  import flax.linen as nn
+
+  class Linear(nn.Module):
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train=True):
+      return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
+
+  model = Linear()
+  rng = np.random.default_rng(2)
+  images = rng.integers(0, 256, (2, 4, 2, 2, 3), dtype=np.uint8)
+  labels = rng.integers(0, 3, (2, 4)).astype(np.int32)
+  variables = model.init(jax.random.key(3), jnp.zeros((1, 2, 2, 3)))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, variables,
+                         profiler.train_locally(model, variables, images, labels, 0))
+  trained = profiler.train_locally(model, variables, images, labels, 3)
+  assert set(trained) == {"params"}
+  # NumPy reference: training's defaults (lr 0.1, weight decay 5e-4, momentum
+  # 0.9), batches 0, 1, 0.
+  lr, decay, momentum = 0.1, 5e-4, 0.9
+  w = {k: np.asarray(v, np.float64) for k, v in variables["params"]["Dense_0"].items()}
+  trace = {k: np.zeros_like(v) for k, v in w.items()}
+  for i in (0, 1, 0):
+    x = np.asarray(data.normalize(jnp.asarray(images[i])), np.float64).reshape(4, -1)
+    logits = x @ w["kernel"] + w["bias"]
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    delta = (p - np.eye(3)[labels[i]]) / 4
+    grads = {"kernel": x.T @ delta, "bias": delta.sum(0)}
+    for k in w:
+      trace[k] = momentum * trace[k] + grads[k] + decay * w[k]
+      w[k] = w[k] - lr * trace[k]
+  for k in w:
+    np.testing.assert_allclose(trained["params"]["Dense_0"][k], w[k], rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="got -1"):
+    profiler.train_locally(model, variables, images, labels, -1)
+
+
 def test_training_optimizer_sends_a_dlgs_group_as_one_message():
   tx = profiler.training_optimizer("dlgs", 0.25, order=["0000", "0001"])
   params = {"0000": jnp.zeros((8, 4)), "0001": jnp.zeros((4,))}
