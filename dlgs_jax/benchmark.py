@@ -8,8 +8,9 @@ before each repetition), four jitted programs:
 * ``compress`` -- compute + the method's update with ``axis_name=None`` and
   the params update: selection, residual bookkeeping and the optimizer, no
   communication;
-* ``exchange`` -- the method's update inside ``shard_map`` on fixed gradients:
-  selection + collectives, no forward/backward;
+* ``exchange`` -- the method's update and the params update inside
+  ``shard_map`` on fixed gradients: selection + collectives, no
+  forward/backward;
 * ``step``     -- the real training step (compute, selection, collectives).
 
 The step is timed first, from initialisation; the three others then run at
@@ -189,8 +190,9 @@ def main(argv=None) -> int:
   grads_fixed = parallel.stack_per_worker(grad_fn(params, xs[0], ys[0]), mesh)
 
   def exchange(g, s, p):
+    # The params update too, as in compress: their difference is the collectives.
     u, s = tx.update(parallel.squeeze(g), parallel.squeeze(s), p)
-    return u, parallel.unsqueeze(s)
+    return optax.apply_updates(p, u), parallel.unsqueeze(s)
 
   exchange_fn = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("data"), P("data"), P()),
                                       out_specs=(P(), P("data")), check_vma=False))
