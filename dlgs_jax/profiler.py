@@ -397,9 +397,9 @@ def measure_update(sizes: Sequence[int], density: float, *,
 
   The values and the state matter, since a selection's cost depends on them:
   sorting ties is cheap, and ResNet-50's gradients at initialisation (32x32
-  input) are 81% exact zeros (Top-k over the 25.6M values: 2.7 s on them
-  against 4.6 s on gradients after 12 training steps, 22% zeros; see
-  `train_locally`), and residuals and momentum fill in more. So pass
+  input) are 81% exact zeros (Top-k over the 25.6M values: 2.0 s on them
+  against 4.7 s on gradients after 10 training steps, 25% zeros; see
+  `train_locally` and experiments/selection_values.py). So pass
   gradients from a model that has trained a few steps, as `profile_model`
   does; each timed step first runs `warmup_steps` updates, on all but the
   last batch of `leaf_grads` in turn, and is then timed on the last: the
