@@ -174,11 +174,8 @@ def main(argv=None) -> int:
   batch_stats = jax.device_put(parallel.fetch(holder["state"].batch_stats),
                                jax.local_devices()[0])
 
-  def loss_fn(p, x, y):
-    logits, _ = training.apply_for_training(model, p, batch_stats, data.normalize(x))
-    return training.cross_entropy(logits, y)
-
-  grad_fn = jax.jit(jax.grad(loss_fn))
+  grad_fn = jax.jit(lambda p, x, y: jax.grad(training.batch_loss, argnums=1, has_aux=True)(
+      model, p, batch_stats, x, y)[0])
 
   @jax.jit
   def compress_fn(p, s, x, y):

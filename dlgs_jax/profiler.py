@@ -553,17 +553,14 @@ def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
   Returns:
     n gradient trees shaped like ``variables["params"]`` (float32 arrays).
   """
-  from dlgs_jax import data, training
+  from dlgs_jax import training
 
   batch_stats = variables.get("batch_stats", {})
 
   @jax.jit
   def grad_fn(p, x, y):
-    def loss_fn(p):
-      logits, _ = training.apply_for_training(model, p, batch_stats, data.normalize(x))
-      return training.cross_entropy(logits, y)
-
-    return jax.grad(loss_fn)(p)
+    return jax.grad(training.batch_loss, argnums=1, has_aux=True)(model, p, batch_stats, x,
+                                                                  y)[0]
 
   return [grad_fn(variables["params"], jnp.asarray(x), jnp.asarray(y))
           for x, y in zip(images, labels)]
@@ -584,7 +581,7 @@ def local_training(model: nn.Module, params: Any, method: str, density: float, *
     ``step(params, batch_stats, opt_state, images uint8, labels) ->
     (params, batch_stats, opt_state)``.
   """
-  from dlgs_jax import data, train, training
+  from dlgs_jax import train, training
 
   settings = train.parse_args(["--method", method, "--density", str(density),
                                "--reuse-every", str(reuse_every), "--refresh-below",
@@ -594,11 +591,8 @@ def local_training(model: nn.Module, params: Any, method: str, density: float, *
 
   @jax.jit
   def step(params, batch_stats, opt_state, x, y):
-    def loss_fn(p):
-      logits, new = training.apply_for_training(model, p, batch_stats, data.normalize(x))
-      return training.cross_entropy(logits, y), new
-
-    grads, new = jax.grad(loss_fn, has_aux=True)(params)
+    grads, new = jax.grad(training.batch_loss, argnums=1, has_aux=True)(
+        model, params, batch_stats, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), new.get("batch_stats", batch_stats),
             opt_state)

@@ -57,6 +57,17 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+def batch_loss(model: nn.Module, params, batch_stats, images: jax.Array, labels: jax.Array):
+  """Training-mode loss on a raw uint8 batch (normalised, no augmentation).
+
+  Returns:
+    (mean cross-entropy, the new BatchNorm statistics or ``{}``): for
+    ``jax.grad(..., has_aux=True)``.
+  """
+  logits, updates = apply_for_training(model, params, batch_stats, data.normalize(images))
+  return cross_entropy(logits, labels), updates
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
                     *, augment: bool = True, pad: int = 4, mean=data.CIFAR10_MEAN,
                     std=data.CIFAR10_STD, seed: int = 0) -> Callable:
