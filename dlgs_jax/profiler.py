@@ -43,6 +43,7 @@ are timed sharing it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -59,7 +60,8 @@ from dlgs_jax.timeline import MODELLED, LinearCost, Profile
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
-                   barrier: Optional[Callable[[], Any]] = None) -> float:
+                   barrier: Optional[Callable[[], Any]] = None,
+                   samples: Optional[list] = None) -> float:
   """Median wall time of ``fn()`` (blocking on its result) after `warmup` calls.
 
   Args:
@@ -68,6 +70,7 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
     warmup: untimed calls first (compilation).
     barrier: called before each timed call, outside the timing (keeps the
       processes of a job in lockstep); None: no barrier.
+    samples: if given, every timed call's seconds are appended to it.
   """
   for _ in range(warmup):
     jax.block_until_ready(fn())
@@ -78,6 +81,8 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
     start = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
+  if samples is not None:
+    samples.extend(times)
   return float(np.median(times))
 
 
@@ -150,17 +155,50 @@ def _has_path(tree, path) -> bool:
     return False
 
 
+# Timed calls of the forward and forward+backward totals: a compute-bound
+# step's prediction is mostly this number, and 5 calls in lockstep on this
+# project's CPU cluster strayed 20% from the runs' 20-call medians.
+COMPUTE_TOTAL_REPEATS = 20
+
+
 def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels: jax.Array,
-                    *, repeats: int = 5, barrier: Optional[Callable[[], Any]] = None
-                    ) -> dict[str, Any]:
+                    *, repeats: int = 5, barrier: Optional[Callable[[], Any]] = None,
+                    batches: Optional[tuple[np.ndarray, np.ndarray]] = None,
+                    total_repeats: int = COMPUTE_TOTAL_REPEATS) -> dict[str, Any]:
   """Forward time, per-leaf backward times in backward order, and the check against the whole.
+
+  The layers are timed alone on `images`, `repeats` times each; the forward
+  and the forward+backward totals, which the per-layer times are scaled to
+  and which decide a compute-bound step's prediction, `total_repeats` times.
+  With `batches` the totals are timed on the train step's own program
+  (`training.batch_loss` on raw uint8 batches, cycled through): a profile
+  timed with 5 repeats on one noise batch measured ResNet-20's
+  forward+backward at 82.7 ms where the benchmark's runs of the same session
+  measured 68-69 ms (experiments/README.md).
+
+  Args:
+    model: the Flax classifier.
+    variables: its variables ("params", maybe "batch_stats").
+    images: float inputs for the per-layer timings and the backward order.
+    labels: their int32 labels.
+    repeats: timed calls per layer.
+    barrier: see `median_seconds`.
+    batches: (uint8 images [n, batch, H, W, C], int32 labels [n, batch]) to
+      time the totals on; None: `images`, `labels`.
+    total_repeats: timed calls of each total.
 
   Returns:
     dict with ``order`` (leaf paths), ``sizes``, ``t_forward``, ``t_backward``
     (scaled to the measured total; unscaled if that timed <= 0),
-    ``backward_measured``, ``backward_sum_alone`` and ``backward_difference``
-    (relative: sum alone / measured - 1).
+    ``backward_measured``, ``backward_sum_alone``, ``backward_difference``
+    (relative: sum alone / measured - 1) and ``totals_raw`` (every timed
+    call's seconds, "forward" and "forward_backward").
+
+  Raises:
+    ValueError: `total_repeats` < 1, or `batches` holds no batch.
   """
+  if total_repeats < 1:
+    raise ValueError(f"total_repeats must be >= 1, got {total_repeats!r}")
   params = variables["params"]
   others = {k: v for k, v in variables.items() if k != "params"}
 
@@ -172,11 +210,32 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
 
   order = grouping.backward_order(loss_fn, params, images, labels)
-  forward = jax.jit(loss_fn)
-  forward_backward = jax.jit(jax.value_and_grad(loss_fn))
-  t_forward = median_seconds(lambda: forward(params, images, labels), repeats, barrier=barrier)
-  t_both = median_seconds(lambda: forward_backward(params, images, labels), repeats,
-                          barrier=barrier)
+  if batches is None:
+    inputs, total_loss = [(images, labels)], loss_fn
+  else:
+    from dlgs_jax import training
+
+    if len(batches[0]) < 1 or len(batches[0]) != len(batches[1]):
+      raise ValueError(f"batches: need n >= 1 image and label batches, got "
+                       f"{len(batches[0])} and {len(batches[1])}")
+    inputs = [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(*batches)]
+    batch_stats = others.get("batch_stats", {})
+
+    def total_loss(p, x, y):
+      return training.batch_loss(model, p, batch_stats, x, y)[0]
+
+  forward = jax.jit(total_loss)
+  forward_backward = jax.jit(jax.value_and_grad(total_loss))
+  turn = itertools.count()
+
+  def cycled(program):
+    return lambda: program(params, *inputs[next(turn) % len(inputs)])
+
+  totals_raw: dict[str, list] = {"forward": [], "forward_backward": []}
+  t_forward = median_seconds(cycled(forward), total_repeats, barrier=barrier,
+                             samples=totals_raw["forward"])
+  t_both = median_seconds(cycled(forward_backward), total_repeats, barrier=barrier,
+                          samples=totals_raw["forward_backward"])
   t_backward_total = max(t_both - t_forward, 0.0)
   per_module = layer_backward_times(model, variables, images, repeats=repeats, barrier=barrier)
   paths = grouping.leaf_paths(params)
@@ -199,6 +258,7 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
       "backward_measured": t_backward_total,
       "backward_sum_alone": total_alone,
       "backward_difference": (total_alone / t_backward_total - 1.0) if t_backward_total else 0.0,
+      "totals_raw": totals_raw,
   }
 
 
@@ -847,7 +907,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
       for the refresh measurement and for the gradients the updates are timed
       on: `PROFILE_TRAIN_STEPS` dense steps on the first batches
       (`train_locally`), then the next `UPDATE_BATCHES` batches' gradients at
-      the trained params (`model_gradients`); default: one worker's
+      the trained params (`model_gradients`); the forward and backward totals
+      are timed at those params on all of them in turn; default: one worker's
       `data.benchmark_batches` (real CIFAR-10 images at 32x32x3).
     barrier: see `median_seconds`; pass one when several processes profile
       together.
@@ -870,11 +931,13 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   images = jnp.asarray(rng.standard_normal((batch_size,) + shape).astype(np.float32))
   labels = jnp.asarray(rng.integers(0, model.num_classes, batch_size).astype(np.int32))
   variables = jax.jit(lambda key: model.init(key, images[:1], train=False))(jax.random.key(seed))
+  trained = train_locally(model, variables, batches[0], batches[1], PROFILE_TRAIN_STEPS)
   progress("timing forward, backward and each layer's backward")
-  compute = measure_compute(model, variables, images, labels, repeats=repeats, barrier=barrier)
+  # At the trained params, on the real batches: what the benchmark's steps run.
+  compute = measure_compute(model, trained, images, labels, repeats=repeats, barrier=barrier,
+                            batches=batches)
   total = sum(compute["sizes"])
   progress(f"timing the local update of {', '.join(methods)}")
-  trained = train_locally(model, variables, batches[0], batches[1], PROFILE_TRAIN_STEPS)
   after = (PROFILE_TRAIN_STEPS + np.arange(UPDATE_BATCHES)) % batches[0].shape[0]
   leaf_grads = []
   for grads in model_gradients(model, trained, batches[0][after], batches[1][after]):
@@ -907,6 +970,6 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
               f"{jax.devices()[0].device_kind}), batch {batch_size} per worker, "
               f"input {shape}"))
   details = {key: compute[key] for key in
-             ("backward_measured", "backward_sum_alone", "backward_difference")}
+             ("backward_measured", "backward_sum_alone", "backward_difference", "totals_raw")}
   details.update(sparsify_raw=sparsify_raw, comm_raw=comm_raw)
   return profile, details
