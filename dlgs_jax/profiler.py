@@ -1,8 +1,7 @@
 """Measuring a `timeline.Profile` on the machine and mesh in use.
 
 * Compute: the forward time and the whole backward time of a Flax model are
-  timed under `jax.jit` (in a profile: the train step's program, at trained
-  params, on real batches, 20 times); per-layer backward times come from timing each
+  timed under `jax.jit`; per-layer backward times come from timing each
   parameter-owning module's VJP alone on the input it sees in the model
   (captured with `flax.linen.intercept_methods`). Their sum misses what lies
   between modules (activations, pooling, shortcuts), so they are scaled to the
@@ -26,10 +25,6 @@
   Timing the selection alone misses the bookkeeping, which on CPU costs more
   than the selection (ResNet-50 DLGS: 0.89 s measured against 0.18 s of
   selection).
-  Timed as programs of their own, memory-bound updates cost more than inside
-  the train step, where the gradients are still in cache; so every fit is
-  scaled to the whole model's update timed inside one worker's train step
-  (`measure_update_in_step`, `calibrate_update`).
 * Refresh rate: how often DLGS's refresh rule recomputes a reused threshold
   depends on how gradients and residuals drift, so it is measured by training
   one worker for a few steps on real batches (`measure_refresh`).
@@ -408,9 +403,7 @@ def refit_profile(profile: Profile, details: dict) -> Profile:
   """`profile` with its update costs fitted again from the raw timings in `details`.
 
   For profiles measured before a change of the fitting rule (`fit_update`):
-  the raw timings are stored beside every profile (``details.json``). Where
-  the details hold the updates timed inside the train step, the fit is scaled
-  to them again (`calibrate_update`).
+  the raw timings are stored beside every profile (``details.json``).
 
   Raises:
     ValueError: `details` has no raw update timings.
@@ -419,10 +412,7 @@ def refit_profile(profile: Profile, details: dict) -> Profile:
   if not raw or "sizes" not in raw:
     raise ValueError("these details hold no raw update timings ('sparsify_raw'); "
                      "measure the profile again")
-  costs = fit_update(raw, max(profile.sizes))
-  if "update_in_step" in details:
-    costs = calibrate_update(costs, details["update_in_step"]["update"], profile.sizes)[0]
-  return dataclasses.replace(profile, sparsify=costs)
+  return dataclasses.replace(profile, sparsify=fit_update(raw, max(profile.sizes)))
 
 
 def training_optimizer(method: str, density: float, *, reuse_every: int = 10,
@@ -598,129 +588,6 @@ def dlgs_timed_states(update: Callable, state: Any, batches: Sequence[Any], para
   return exact_state, warm_state(update, exact_state, batches, params, 1, first=steps)
 
 
-def measure_update_in_step(model: nn.Module, variables: dict, images: np.ndarray,
-                           labels: np.ndarray, density: float, order: Sequence[str], *,
-                           methods: Sequence[str] = UPDATE_METHODS, reuse_every: int = 10,
-                           repeats: int = 5, warmup_steps: int = 3,
-                           barrier: Optional[Callable[[], Any]] = None) -> dict[str, Any]:
-  """What each method's whole-model update adds to one worker's train step.
-
-  `measure_update` times an update as a program of its own, on gradients held
-  in memory; the train step computes them in the same program. Memory-bound
-  updates cost about half as much there (ResNet-50, density 0.1: DLGS's reuse
-  step 0.71 s alone against ~0.4 s in the step, the dense optimizer 108
-  against 54 ms), while sort-bound ones cost the same (Top-k 12.55 against
-  12.7 s): the gradients are still in cache when the step updates them. This
-  times ``T(gradients + update + params update) - T(gradients)`` on the
-  model's real batches, each method sending the whole model the way the
-  benchmark runs it (one message for dense, Top-k, gTop-k and DLGS; one per
-  leaf for LAGS, DGC and TernGrad), from a state trained `warmup_steps` steps
-  (DLGS: its fixed schedule, timed on an exact and on a reuse step).
-
-  Args:
-    model: the Flax classifier.
-    variables: its (trained) variables.
-    images: uint8 [n, batch_size, H, W, C], cycled through.
-    labels: int32 [n, batch_size].
-    density: the methods' density.
-    order: the leaf paths in backward order.
-    methods: the methods to time.
-    reuse_every: DLGS's reuse period.
-    repeats: timed calls per program.
-    warmup_steps: train steps before the timed ones (DLGS: rounded up to a
-      multiple of `reuse_every`).
-    barrier: see `median_seconds`.
-
-  Returns:
-    ``{"gradients": s, "steps": {method: s}, "update": {method: s}}``: the
-    programs' median seconds and each update's share (step - gradients,
-    floored at 0); DLGS as "dlgs_exact", "dlgs_reuse" and "dlgs", the
-    amortised ``(exact + (s - 1) * reuse) / s``.
-
-  Raises:
-    ValueError: no batches, or `warmup_steps` < 0.
-  """
-  from dlgs_jax import training
-
-  if warmup_steps < 0:
-    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
-  if len(images) < 1 or len(images) != len(labels):
-    raise ValueError(f"need n >= 1 image and label batches, got {len(images)} and {len(labels)}")
-  params, batch_stats = variables["params"], variables.get("batch_stats", {})
-  inputs = [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(images, labels)]
-  turn = itertools.count()
-
-  def next_batch():
-    return inputs[next(turn) % len(inputs)]
-
-  @jax.jit
-  def gradients(p, x, y):
-    return jax.grad(training.batch_loss, argnums=1, has_aux=True)(model, p, batch_stats, x, y)[0]
-
-  result: dict[str, Any] = {"steps": {}, "update": {}}
-  result["gradients"] = median_seconds(lambda: gradients(params, *next_batch()), repeats,
-                                       barrier=barrier)
-  for method in methods:
-    groups = [list(order)] if method in ("dense", "dlgs") else None
-    # DLGS: the fixed schedule, so that the timed steps are exact and reuse as asked.
-    tx, step = local_training(model, params, method, density, reuse_every=reuse_every,
-                              refresh_below=None if method == "dlgs" else 0.5, order=order,
-                              groups=groups)
-    carried = (params, batch_stats, tx.init(params))
-    warm = (reuse_every * max(1, math.ceil(warmup_steps / reuse_every)) if method == "dlgs"
-            else warmup_steps)
-    timed_states = []
-    for i in range(warm + (1 if method == "dlgs" else 0)):
-      if method == "dlgs" and i == warm:
-        timed_states.append(carried)  # before an exact step
-      carried = step(*carried, *next_batch())
-    timed_states.append(carried)  # dlgs: before a reuse step
-    keys = ["dlgs_exact", "dlgs_reuse"] if method == "dlgs" else [method]
-    for key, state in zip(keys, timed_states):
-      result["steps"][key] = median_seconds(lambda: step(*state, *next_batch()), repeats,
-                                            barrier=barrier)
-      result["update"][key] = max(result["steps"][key] - result["gradients"], 0.0)
-    if method == "dlgs":
-      result["update"]["dlgs"] = ((result["update"]["dlgs_exact"]
-                                   + (reuse_every - 1) * result["update"]["dlgs_reuse"])
-                                  / reuse_every)
-  return result
-
-
-def calibrate_update(costs: dict[str, LinearCost], in_step: dict[str, float],
-                     sizes: Sequence[int]) -> tuple[dict[str, LinearCost], dict[str, float]]:
-  """Scales each method's fitted update cost to what it measured inside the train step.
-
-  The fit (`fit_update`) gives the shape of the cost over message sizes, from
-  updates timed alone; `measure_update_in_step` gives the whole model's
-  update as the step pays it. Each cost is multiplied by ``in_step /
-  alone``, where `alone` is the fit's price of that same whole-model update:
-  one message of all the elements for the grouping methods and DLGS's parts,
-  one per leaf for `PER_LEAF_METHODS` (DGC's 1-D leaves priced like its other
-  leaves).
-
-  Args:
-    costs: fitted cost per method (`fit_update`).
-    in_step: seconds per method (``measure_update_in_step(...)["update"]``).
-    sizes: the model's leaf sizes.
-
-  Returns:
-    (the scaled costs -- methods without an in-step time unchanged --, the
-    factor per scaled method).
-  """
-  total = int(sum(sizes))
-  scaled, factors = dict(costs), {}
-  for method, seconds in in_step.items():
-    cost = costs.get(method)
-    if cost is None:
-      continue
-    alone = (sum(cost(int(n)) for n in sizes) if method in PER_LEAF_METHODS else cost(total))
-    factor = max(float(seconds), 0.0) / alone if alone > 0 else 1.0
-    scaled[method] = LinearCost(cost.alpha * factor, cost.beta * factor)
-    factors[method] = factor
-  return scaled, factors
-
-
 # Batches whose gradients `profile_model` times the updates on: the updates
 # warm up on all but the last (see `measure_update`). Each is a copy of the
 # model's gradients in memory (100 MB for ResNet-50).
@@ -760,9 +627,7 @@ def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
 
 
 def local_training(model: nn.Module, params: Any, method: str, density: float, *,
-                   reuse_every: int = 10, refresh_below: Optional[float] = 0.5,
-                   order: Optional[Sequence[str]] = None,
-                   groups: Optional[Sequence[Sequence[str]]] = None
+                   reuse_every: int = 10, refresh_below: Optional[float] = 0.5
                    ) -> tuple[optax.GradientTransformation, Callable]:
   """One worker's training (``axis_name=None``) with `method`, training's optimizer and rate.
 
@@ -770,9 +635,6 @@ def local_training(model: nn.Module, params: Any, method: str, density: float, *
     model: the Flax classifier.
     params: its params (their leaves name the optimizer's messages).
     method, density, reuse_every, refresh_below: as `dlgs-train`'s flags.
-    order: the leaf paths in backward order (default: the params' key order).
-    groups: the messages of dense, LAGS and DLGS, lists of leaf paths (default:
-      as `dlgs-train` without a plan).
 
   Returns:
     (tx, step): `train.build_optimizer`'s chain, and the jitted
@@ -785,9 +647,7 @@ def local_training(model: nn.Module, params: Any, method: str, density: float, *
                                "--reuse-every", str(reuse_every), "--refresh-below",
                                "none" if refresh_below is None else str(refresh_below)])
   train.check_args(settings)
-  order = grouping.leaf_paths(params) if order is None else list(order)
-  tx = train.build_optimizer(settings, None, settings.lr,
-                             None if groups is None else [list(g) for g in groups], order)
+  tx = train.build_optimizer(settings, None, settings.lr, None, grouping.leaf_paths(params))
 
   @jax.jit
   def step(params, batch_stats, opt_state, x, y):
@@ -1055,10 +915,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     progress: called with a message before each phase.
 
   Returns:
-    (profile, details) where details holds the raw measurements (the
-    updates' timings alone, "sparsify_raw", and inside the train step with the
-    factors the fits were scaled by, "update_in_step") and the backward-time
-    check.
+    (profile, details) where details holds the raw measurements and the
+    backward-time check.
   """
   from dlgs_jax import data, models
 
@@ -1088,13 +946,6 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   sparsify, sparsify_raw = measure_update(
       update_grid(compute["sizes"]), density, methods=methods, reuse_every=reuse_every,
       repeats=repeats, barrier=barrier, leaf_grads=leaf_grads)
-  del leaf_grads
-  progress(f"timing the update of {', '.join(methods)} inside the train step")
-  in_step = measure_update_in_step(model, trained, batches[0][after], batches[1][after],
-                                   density, compute["order"], methods=methods,
-                                   reuse_every=reuse_every, repeats=repeats, barrier=barrier)
-  sparsify, in_step["factors"] = calibrate_update(sparsify, in_step["update"],
-                                                  compute["sizes"])
   mesh = mesh or parallel.data_mesh()
   workers = int(mesh.devices.size)
   comm, comm_raw = {}, {}
@@ -1120,5 +971,5 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
               f"input {shape}"))
   details = {key: compute[key] for key in
              ("backward_measured", "backward_sum_alone", "backward_difference", "totals_raw")}
-  details.update(sparsify_raw=sparsify_raw, update_in_step=in_step, comm_raw=comm_raw)
+  details.update(sparsify_raw=sparsify_raw, comm_raw=comm_raw)
   return profile, details

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dlgs_jax
-from dlgs_jax import data, grouping, models, parallel, profiler, train
+from dlgs_jax import data, grouping, models, parallel, profiler
 from dlgs_jax.timeline import LinearCost, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,60 +311,6 @@ def test_training_optimizer_sends_a_dlgs_group_as_one_message():
   assert int(np.count_nonzero(np.asarray(updates["0001"]))) == 1
 
 
-def test_calibrate_update_scales_each_fit_to_the_whole_model_in_step():
-  sizes = [1000, 3000]
-  costs = {"topk": LinearCost(1e-3, 1e-6), "lags": LinearCost(2e-3, 1e-6),
-           "dense": LinearCost(0.0, 1e-7)}
-  # Priced alone: topk one message of 4000 values (5e-3 s), lags one per leaf
-  # (2 * 2e-3 + 4000e-6 = 8e-3 s).
-  scaled, factors = profiler.calibrate_update(costs, {"topk": 2.5e-3, "lags": 1.6e-2,
-                                                      "terngrad": 1.0}, sizes)
-  assert factors == pytest.approx({"topk": 0.5, "lags": 2.0})
-  assert scaled["topk"].alpha == pytest.approx(5e-4) and scaled["topk"].beta == pytest.approx(5e-7)
-  assert scaled["lags"].alpha == pytest.approx(4e-3) and scaled["lags"].beta == pytest.approx(2e-6)
-  assert scaled["topk"](4000) == pytest.approx(2.5e-3)
-  assert sum(scaled["lags"](n) for n in sizes) == pytest.approx(1.6e-2)
-  assert scaled["dense"] == costs["dense"] and "terngrad" not in scaled  # nothing timed / fitted
-  # An update that timed below nothing inside the step (noise) is priced free.
-  assert profiler.calibrate_update(costs, {"dense": -1e-4}, sizes)[0]["dense"] == LinearCost(0, 0)
-
-
-def test_measure_update_in_step_times_each_method_inside_the_train_step():
-  model = models.ResNetCifar(depth=8)
-  images, labels = data.benchmark_batches((32, 32, 3), 10, 2, 1, 4)
-  images, labels = images[:, 0], labels[:, 0]
-  variables = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
-  order = train.backward_order_of(model, variables["params"], variables["batch_stats"],
-                                  (1, 32, 32, 3))
-  result = profiler.measure_update_in_step(model, variables, images, labels, 0.1, order,
-                                           methods=("dense", "dlgs", "lags"), reuse_every=2,
-                                           repeats=1, warmup_steps=1)
-  assert set(result["steps"]) == {"dense", "dlgs_exact", "dlgs_reuse", "lags"}
-  assert result["gradients"] > 0
-  for key, seconds in result["steps"].items():
-    assert result["update"][key] == max(seconds - result["gradients"], 0.0)
-  assert result["update"]["dlgs"] == pytest.approx(
-      (result["update"]["dlgs_exact"] + result["update"]["dlgs_reuse"]) / 2)
-  with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
-    profiler.measure_update_in_step(model, variables, images, labels, 0.1, order,
-                                    warmup_steps=-1)
-  with pytest.raises(ValueError, match="got 0 and 0"):
-    profiler.measure_update_in_step(model, variables, images[:0], labels[:0], 0.1, order)
-
-
-def test_local_training_sends_the_given_groups():
-  model = linear_classifier()
-  variables = model.init(jax.random.key(3), jnp.zeros((1, 2, 2, 3)))
-  order = ["Dense_0/bias", "Dense_0/kernel"]
-  images = np.random.default_rng(4).integers(0, 256, (4, 2, 2, 3), dtype=np.uint8)
-  labels = np.asarray([0, 1, 2, 0], np.int32)
-  for groups, messages in ((None, 2), ([order], 1)):
-    tx, step = profiler.local_training(model, variables["params"], "dlgs", 0.25, order=order,
-                                       groups=groups)
-    state = step(variables["params"], {}, tx.init(variables["params"]), images, labels)[2]
-    assert dlgs_jax.comm_stats(state).selected.shape == (messages,)
-
-
 def test_update_grid_spans_the_model_and_ends_the_leaf_range():
   grid = profiler.update_grid([512] + [2_359_296] * 10)
   assert grid[0] == 4096 and grid[-1] == 512 + 23_592_960
@@ -486,12 +432,6 @@ def test_profile_model_times_updates_on_the_models_real_gradients():
   # The largest timed group is the whole model, in the profile's backward order.
   assert raw["group_sizes"][-1] == sum(profile.sizes)
   assert raw["group_leaves"][-1] == profile.num_layers
-  fitted = {"lags": profiler.fit_per_leaf(raw["group_leaves"], raw["group_sizes"], raw["lags"]),
-            "dense": profiler.fit_linear(raw["group_sizes"], raw["dense"])}
-  # Each fit scaled to the whole model's update timed inside the train step.
-  in_step = details["update_in_step"]
-  assert set(in_step["update"]) == {"lags", "dense"}
-  scaled, factors = profiler.calibrate_update(fitted, in_step["update"], profile.sizes)
-  assert profile.sparsify == scaled and in_step["factors"] == factors
-  assert profiler.refit_profile(profile, details).sparsify == profile.sparsify
-  assert len(details["totals_raw"]["forward_backward"]) == profiler.COMPUTE_TOTAL_REPEATS
+  assert profile.sparsify["lags"] == profiler.fit_per_leaf(raw["group_leaves"],
+                                                           raw["group_sizes"], raw["lags"])
+  assert profile.sparsify["dense"] == profiler.fit_linear(raw["group_sizes"], raw["dense"])
