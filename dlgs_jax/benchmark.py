@@ -174,8 +174,7 @@ def main(argv=None) -> int:
   batch_stats = jax.device_put(parallel.fetch(holder["state"].batch_stats),
                                jax.local_devices()[0])
 
-  grad_fn = jax.jit(lambda p, x, y: jax.grad(training.batch_loss, argnums=1, has_aux=True)(
-      model, p, batch_stats, x, y)[0])
+  grad_fn = jax.jit(lambda p, x, y: training.batch_gradients(model, p, batch_stats, x, y)[0])
 
   @jax.jit
   def compress_fn(p, s, x, y):

@@ -620,8 +620,7 @@ def model_gradients(model: nn.Module, variables: dict, images: np.ndarray,
 
   @jax.jit
   def grad_fn(p, x, y):
-    return jax.grad(training.batch_loss, argnums=1, has_aux=True)(model, p, batch_stats, x,
-                                                                  y)[0]
+    return training.batch_gradients(model, p, batch_stats, x, y)[0]
 
   return [grad_fn(variables["params"], jnp.asarray(x), jnp.asarray(y))
           for x, y in zip(images, labels)]
@@ -652,8 +651,7 @@ def local_training(model: nn.Module, params: Any, method: str, density: float, *
 
   @jax.jit
   def step(params, batch_stats, opt_state, x, y):
-    grads, new = jax.grad(training.batch_loss, argnums=1, has_aux=True)(
-        model, params, batch_stats, x, y)
+    grads, new = training.batch_gradients(model, params, batch_stats, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), new.get("batch_stats", batch_stats),
             opt_state)

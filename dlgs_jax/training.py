@@ -68,6 +68,15 @@ def batch_loss(model: nn.Module, params, batch_stats, images: jax.Array, labels:
   return cross_entropy(logits, labels), updates
 
 
+def batch_gradients(model: nn.Module, params, batch_stats, images: jax.Array, labels: jax.Array):
+  """Gradient of `batch_loss` with respect to the params.
+
+  Returns:
+    (gradients shaped like `params`, the new BatchNorm statistics or ``{}``).
+  """
+  return jax.grad(batch_loss, argnums=1, has_aux=True)(model, params, batch_stats, images, labels)
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
                     *, augment: bool = True, pad: int = 4, mean=data.CIFAR10_MEAN,
                     std=data.CIFAR10_STD, seed: int = 0) -> Callable:
