@@ -85,6 +85,9 @@ def test_measure_compute_times_the_totals_on_the_train_steps_program():
   assert result["backward_measured"] == pytest.approx(max(backward, 0.0))
   assert sorted(result["order"]) == sorted(grouping.leaf_paths(variables["params"]))
   assert result["order"][0].startswith("Dense_0")
+  # Same order as on the float inputs: the order depends on the model only.
+  plain = profiler.measure_compute(model, variables, images, labels, repeats=1, total_repeats=1)
+  assert result["order"] == plain["order"]
   with pytest.raises(ValueError, match="total_repeats must be >= 1, got 0"):
     profiler.measure_compute(model, variables, images, labels, total_repeats=0)
   with pytest.raises(ValueError, match="got 0 and 0"):
