@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     return 0
 
   sample = np.zeros((1,) + shape, np.uint8)
-  variables = model.init(jax.random.key(0), sample.astype(np.float32), train=False)
+  variables = training.init_variables(model, sample, seed=0)
   order = train.backward_order_of(model, variables["params"], variables.get("batch_stats", {}),
                                   sample.shape)
   plan = planner.Plan.load(args.plan) if args.plan else None
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
   # must recompute a reused threshold.
   tx = train.build_optimizer(settings, "data", settings.lr, groups, order)
   tx_local = train.build_optimizer(settings, None, settings.lr, groups, order)
-  state = training.init_train_state(model, tx, sample, mesh, seed=0)
+  state = training.train_state_from_variables(variables, tx, mesh)
   step_fn = training.make_train_step(model, tx, mesh, augment=False)
   global_batches = [parallel.shard_batch((images[i], labels[i]), mesh)
                     for i in range(args.batches)]

@@ -176,6 +176,14 @@ def dgc(
   if clip_norm is not None and not (isinstance(clip_norm, numbers.Real) and clip_norm > 0):
     raise ValueError(f"clip_norm must be a positive number or None, got {clip_norm!r}")
   densities = warmup_densities(density, warmup_start, warmup_stages if warmup_steps else 0)
+  # Each stage is a branch of its own exchange, compiled whether it runs or not;
+  # a warm-up shorter than its stages skips some (e.g. 1 step of 4 stages: only
+  # stages 0 and 4 run), so only the stages some step reaches are built.
+  reached = sorted({warmup_stage(step, warmup_steps, warmup_stages)
+                    for step in range(warmup_steps + 1)}) if len(densities) > 1 else [0]
+  # stage -> branch; a stage no step reaches never indexes this table.
+  branch_of_stage = [min(i for i, r in enumerate(reached) if r >= stage)
+                     for stage in range(len(densities))]
 
   def split(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -241,10 +249,11 @@ def dgc(
           return run
 
         stage = warmup_stage(state.count, warmup_steps, warmup_stages)
-        if len(densities) == 1:
-          result = branch(densities[0])(None)
+        if len(reached) == 1:
+          result = branch(densities[reached[0]])(None)
         else:
-          result = lax.switch(stage, [branch(d) for d in densities], None)
+          result = lax.switch(jnp.asarray(branch_of_stage, jnp.int32)[stage],
+                              [branch(densities[r]) for r in reached], None)
         sparse_means, sparse_v, sel, pas, sent = result
         for j, i in enumerate(sparse):
           sent_mask = (accumulated[j] != 0) & (sparse_v[j] == 0)

@@ -522,18 +522,17 @@ def train(args) -> int:
       args.lr, {b: 0.1 for b in decay_boundaries(args, spe, total_steps) if 0 < b < total_steps})
 
   sample = np.zeros((1,) + train_set.image_shape, np.uint8)
-  variables = jax.jit(lambda key: model.init(key, sample.astype(np.float32), train=False))(
-      jax.random.key(args.seed))
+  variables = training.init_variables(model, sample, args.seed)
   paths = grouping.leaf_paths(variables["params"])
   # Traced outside shard_map, so without the SyncBN axis (same parameters).
   order = backward_order_of(model.clone(bn_axis_name=None), variables["params"],
                             variables.get("batch_stats", {}), sample.shape)
-  del variables
   plan = make_or_load_plan(args, mesh, paths, workers, log)
   groups = plan.groups if plan is not None else None
   warmup = dgc_warmup_steps(args, spe, total_steps) if args.method == "dgc" else 0
   tx = build_optimizer(args, axis, schedule, groups, order, warmup_steps=warmup)
-  state = training.init_train_state(model, tx, sample, mesh, args.seed)
+  state = training.train_state_from_variables(variables, tx, mesh)
+  del variables
   step_fn = training.make_train_step(model, tx, mesh, augment=not args.no_augment, pad=pad,
                                      mean=train_set.mean, std=train_set.std, seed=args.seed)
   evaluate = training.make_eval_fn(model, train_set.mean, train_set.std)

@@ -111,6 +111,39 @@ def test_warmup_buffers_shrink_with_the_density():
     assert np.all(states[t].stats.selected[:, 1] >= math.ceil(0.8 * k))
 
 
+@pytest.mark.parametrize("warmup_steps, reached", [(1, [0, 4]), (3, [0, 1, 2, 4]), (8, [0, 1, 2, 3, 4])])
+def test_a_short_warmup_builds_only_the_stages_its_steps_reach(warmup_steps, reached):
+  rng = np.random.default_rng(5)
+  stages, final = 4, 0.02
+  tx, one_worker = (dgc_lib.dgc(final, axis_name=axis, warmup_steps=warmup_steps,
+                                warmup_start=0.25, warmup_stages=stages)
+                    for axis in ("data", None))
+  assert sorted({dgc_lib.warmup_stage(t, warmup_steps, stages)
+                 for t in range(warmup_steps + 1)}) == reached
+  # The exchange's switch has one branch per reached stage, no more.
+  grads = jax.tree_util.tree_map(lambda x: jnp.ones(x.shape), PARAMS)
+  jaxpr = jax.make_jaxpr(one_worker.update)(grads, one_worker.init(PARAMS))
+
+  def branch_counts(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "cond":
+        yield len(eqn.params["branches"])
+        for branch in eqn.params["branches"]:
+          yield from branch_counts(branch.jaxpr)
+
+  assert len(reached) in set(branch_counts(jaxpr.jaxpr))
+  assert max(branch_counts(jaxpr.jaxpr)) == len(reached)
+  # Every step still sends what its own stage's density asks for.
+  steps = [random_grads(PARAMS, W, rng) for _ in range(warmup_steps + 2)]
+  _, _, states = run_steps(tx, PARAMS, steps, W)
+  size = 64 * 40
+  for t, state in enumerate(states):
+    k = selection.num_to_keep(
+        dgc_lib.warmup_density(t, final, warmup_steps=warmup_steps, stages=stages), size)
+    assert np.all(state.stats.selected[:, 1] <= math.ceil(1.3 * k)), (t, k)
+    assert np.all(state.stats.selected[:, 1] >= math.ceil(0.8 * k)), (t, k)
+
+
 def test_trains_with_plain_sgd_and_single_worker():
   target = jnp.asarray(np.random.default_rng(4).standard_normal((64, 40)), jnp.float32)
   params = {"fc": jnp.zeros((64, 40)), "bias": jnp.zeros((40,))}
