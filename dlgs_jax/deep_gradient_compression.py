@@ -179,8 +179,14 @@ def dgc(
   # Each stage is a branch of its own exchange, compiled whether it runs or not;
   # a warm-up shorter than its stages skips some (e.g. 1 step of 4 stages: only
   # stages 0 and 4 run), so only the stages some step reaches are built.
-  reached = sorted({warmup_stage(step, warmup_steps, warmup_stages)
-                    for step in range(warmup_steps + 1)}) if len(densities) > 1 else [0]
+  if len(densities) == 1:
+    reached = [0]
+  elif warmup_steps >= warmup_stages:
+    # stage(step + 1) - stage(step) <= stages / warmup_steps <= 1: every stage is hit.
+    reached = list(range(len(densities)))
+  else:
+    reached = sorted({warmup_stage(step, warmup_steps, warmup_stages)
+                      for step in range(warmup_steps + 1)})
   # stage -> branch; a stage no step reaches never indexes this table.
   branch_of_stage = [min(i for i, r in enumerate(reached) if r >= stage)
                      for stage in range(len(densities))]

@@ -111,7 +111,8 @@ def test_warmup_buffers_shrink_with_the_density():
     assert np.all(states[t].stats.selected[:, 1] >= math.ceil(0.8 * k))
 
 
-@pytest.mark.parametrize("warmup_steps, reached", [(1, [0, 4]), (3, [0, 1, 2, 4]), (8, [0, 1, 2, 3, 4])])
+@pytest.mark.parametrize("warmup_steps, reached", [
+    (1, [0, 4]), (3, [0, 1, 2, 4]), (4, [0, 1, 2, 3, 4]), (8, [0, 1, 2, 3, 4])])
 def test_a_short_warmup_builds_only_the_stages_its_steps_reach(warmup_steps, reached):
   rng = np.random.default_rng(5)
   stages, final = 4, 0.02
