@@ -917,7 +917,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     (profile, details) where details holds the raw measurements and the
     backward-time check.
   """
-  from dlgs_jax import data, models
+  from dlgs_jax import data, models, training
 
   model, shape = models.create_model(name)
   if image_size is not None:
@@ -929,7 +929,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   rng = np.random.default_rng(seed)
   images = jnp.asarray(rng.standard_normal((batch_size,) + shape).astype(np.float32))
   labels = jnp.asarray(rng.integers(0, model.num_classes, batch_size).astype(np.int32))
-  variables = jax.jit(lambda key: model.init(key, images[:1], train=False))(jax.random.key(seed))
+  variables = training.init_variables(model, images[:1], seed)
   trained = train_locally(model, variables, batches[0], batches[1], PROFILE_TRAIN_STEPS)
   progress("timing forward, backward and each layer's backward")
   # At the trained params, on the real batches: what the benchmark's steps run.
