@@ -30,7 +30,11 @@ exchange - (compress - compute); overlap = communication alone - non-overlapped
 (how much of the collectives XLA hid behind the backward pass).
 
 With ``--profile-out`` it instead measures a planner profile on the same
-processes (`profiler.profile_model`) and writes it from process 0.
+processes (`profiler.profile_model`) and writes it from process 0. With
+``--overlap-out`` it instead asks whether the runtime hides a collective behind
+independent computation (`profiler.measure_overlap`, once per
+``--overlap-rounds`` value, ``--steps`` repetitions each) and writes the
+results from process 0.
 """
 
 from __future__ import annotations
@@ -64,6 +68,16 @@ def parse_args(argv=None):
                       help="distinct batches per worker, taken in turn by the repetitions")
   parser.add_argument("--out", help="JSON result (written by process 0)")
   parser.add_argument("--profile-out", help="measure a planner profile instead, write it here")
+  parser.add_argument("--overlap-out",
+                      help="measure whether collectives overlap independent work instead "
+                      "(profiler.measure_overlap), write the JSON here")
+  parser.add_argument("--overlap-rounds", default="1,4",
+                      help="--overlap-out: work per collective, in elementwise passes over a "
+                      "leaf (comma-separated: one measurement each)")
+  parser.add_argument("--overlap-leaves", type=int, default=32,
+                      help="--overlap-out: collectives per program")
+  parser.add_argument("--overlap-size", type=int, default=200_000,
+                      help="--overlap-out: elements of work per collective")
   return parser.parse_args(argv)
 
 
@@ -92,6 +106,8 @@ def main(argv=None) -> int:
                                "--send-whole", args.send_whole])
   train.check_args(settings)
   mesh = parallel.data_mesh()
+  if args.overlap_out:
+    return _overlap(args, mesh, multihost_utils)
   workers = int(mesh.devices.size)
   leader = jax.process_index() == 0
   model, shape = models.create_model(args.model)
@@ -243,6 +259,39 @@ def main(argv=None) -> int:
     if args.out:
       with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+  return 0
+
+
+def _overlap(args, mesh, multihost_utils) -> int:
+  """``--overlap-out``: `profiler.measure_overlap` at each ``--overlap-rounds``."""
+  import jax
+
+  from dlgs_jax import profiler
+
+  try:
+    rounds = [int(r) for r in args.overlap_rounds.split(",")]
+  except ValueError:
+    raise SystemExit(f"--overlap-rounds must be comma-separated integers, got "
+                     f"{args.overlap_rounds!r}") from None
+  if min(rounds) < 1 or args.overlap_leaves < 1 or args.overlap_size < 2_000:
+    raise SystemExit(f"--overlap-rounds must be >= 1 (got {args.overlap_rounds!r}), "
+                     f"--overlap-leaves >= 1 (got {args.overlap_leaves}), --overlap-size "
+                     f">= 2000 (got {args.overlap_size})")
+  barrier = lambda: multihost_utils.sync_global_devices("overlap")  # noqa: E731
+  leader = jax.process_index() == 0
+  results = []
+  for r in rounds:
+    result = profiler.measure_overlap(mesh, leaves=args.overlap_leaves, size=args.overlap_size,
+                                      rounds=r, repeats=args.steps, barrier=barrier)
+    results.append(result)
+    if leader:
+      ms = {k: f"{v * 1e3:.1f}" for k, v in result["seconds"].items()}
+      print(f"overlap, {r} rounds of work per collective: {ms} ms, hidden "
+            f"{result['hidden']:+.2f}", flush=True)
+  if leader:
+    with open(args.overlap_out, "w") as f:
+      json.dump({"backend": jax.default_backend(), "processes": jax.process_count(),
+                 "results": results}, f, indent=1)
   return 0
 
 

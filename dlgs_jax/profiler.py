@@ -34,6 +34,8 @@
   ``alpha + beta * bytes sent per worker``, alpha being the marginal cost of
   one more collective in a program (`measure_comm`); or, to look past this machine,
   `network_comm` builds the same costs from a latency and a link bandwidth.
+* Overlap: whether the runtime hides a collective behind computation that does
+  not depend on it (`measure_overlap`); the profile's ``overlap`` flag.
 
 All timings are medians after warm-up. With several processes pass a
 `barrier` (e.g. `multihost_utils.sync_global_devices`): every process then
@@ -46,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -54,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax import collectives, grouping, parallel, selection, wire
@@ -837,6 +841,151 @@ def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
   return costs, raw
 
 
+OVERLAP_PROGRAMS = ("compute", "collectives", "independent", "chained")
+
+
+def _overlap_work(v: jax.Array, rounds: int) -> jax.Array:
+  for _ in range(rounds):
+    v = jnp.sin(v) * 1.0001 + jnp.cos(v) * 0.5
+  return v
+
+
+def overlap_programs(mesh: Mesh, *, leaves: int, message: int, rounds: int
+                     ) -> dict[str, Callable[[jax.Array], jax.Array]]:
+  """The four programs `measure_overlap` times, on input float32[workers, leaves, size].
+
+  Per leaf, "work" is `rounds` elementwise passes over the whole leaf, and its
+  message is the first `message` values of the result times the result's mean
+  (so the message needs the whole pass: XLA cannot slice the work away).
+
+  * ``compute``: every leaf's work; the message is stacked `workers` times on
+    the worker instead of all-gathered (same shapes, no collective).
+  * ``collectives``: every leaf's first `message` input values all-gathered,
+    one collective per leaf, no work.
+  * ``independent``: work and all-gather per leaf; leaf i's collective
+    depends on leaf i's work only, so a runtime may run it while the next
+    leaves' work proceeds, as a planned group's collective could run under
+    the rest of the backward pass.
+  * ``chained``: the same, but leaf i's input depends on leaf i-1's gathered
+    result, so nothing can overlap (the control).
+
+  Every program returns float32[leaves, message] per worker: the sum over
+  workers of each leaf's message (``compute``: `workers` times its own).
+  """
+  if min(leaves, message, rounds) < 1:
+    raise ValueError(f"leaves, message and rounds must be >= 1, got {leaves}, {message}, "
+                     f"{rounds}")
+  axis = mesh.axis_names[0]
+  workers = mesh.devices.size
+
+  def send(v, mode):
+    if mode == "collectives":
+      msg = v[:message]
+    else:
+      v = _overlap_work(v, rounds)
+      msg = v[:message] * jnp.mean(v)
+    gathered = (jnp.stack([msg] * workers) if mode == "compute"
+                else lax.all_gather(msg, axis))
+    return jnp.sum(gathered, axis=0)
+
+  def body(xs, mode):
+    outs = []
+    for i in range(leaves):
+      v = xs[i]
+      if mode == "chained" and outs:
+        v = v.at[:message].add(outs[-1] * 1e-3)
+      outs.append(send(v, "independent" if mode == "chained" else mode))
+    return jnp.stack(outs)
+
+  spec = PartitionSpec(axis)
+  return {mode: jax.jit(jax.shard_map(
+      lambda x, mode=mode: parallel.unsqueeze(body(parallel.squeeze(x), mode)),
+      mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+          for mode in OVERLAP_PROGRAMS}
+
+
+def measure_overlap(mesh: Mesh, *, leaves: int = 32, size: int = 200_000, message: int = 2_000,
+                    rounds: int = 1, repeats: int = 7,
+                    barrier: Optional[Callable[[], Any]] = None) -> dict[str, Any]:
+  """Whether the runtime hides collectives behind independent computation.
+
+  Times the four `overlap_programs` and reports the share of the smaller of
+  the two parts (work, collectives) that the ``independent`` program hid::
+
+      hidden = (T_compute + T_collectives - T_independent) / min(T_compute, T_collectives)
+
+  1 means fully hidden, 0 nothing (the collectives block the computation, as
+  `Profile.overlap` = False models), negative the interleaving cost extra.
+  ``chained`` is the control that cannot overlap. This is the question of the
+  paper's wait-free backpropagation (DLGS, Sec. 3): a group's collective
+  running while the remaining backward computes. It is asked here on one
+  program of independent work, not on a model's backward pass.
+
+  Args:
+    mesh: the mesh whose collectives are timed (one axis).
+    leaves: pieces of work, each followed by its own collective.
+    size: elements of each piece.
+    message: values each piece all-gathers.
+    rounds: elementwise passes per piece (more: more work per collective).
+    repeats: timed calls per program.
+    barrier: see `median_seconds`.
+
+  Returns:
+    ``{"seconds": {program: median}, "samples": {program: [seconds]},
+    "hidden": ..., "leaves", "size", "message", "rounds", "workers"}``.
+  """
+  if size < message:
+    raise ValueError(f"size ({size}) must be >= message ({message})")
+  programs = overlap_programs(mesh, leaves=leaves, message=message, rounds=rounds)
+  workers = mesh.devices.size
+  x = parallel.shard_batch(np.random.default_rng(0).standard_normal(
+      (workers, leaves, size)).astype(np.float32), mesh)
+  seconds, samples = {}, {}
+  for name, program in programs.items():
+    samples[name] = []
+    seconds[name] = median_seconds(lambda: program(x), repeats, barrier=barrier,
+                                   samples=samples[name])
+  schedule = collective_schedule(programs["independent"].lower(x).compile().as_text())
+  return {"seconds": seconds, "samples": samples, "hidden": overlap_hidden(seconds),
+          "schedule": schedule, "leaves": leaves, "size": size, "message": message,
+          "rounds": rounds, "workers": workers}
+
+
+def collective_schedule(hlo_text: str) -> list[list]:
+  """Where the collectives sit in a compiled program's entry computation.
+
+  Run-length encoded over its instructions in the compiled order, parameters,
+  constants and tuples left out: ``[["other", 18], ["all-gather", 6],
+  ["other", 7]]`` says every collective was scheduled after all the work
+  before it could overlap. For reporting; the text format is XLA's.
+  """
+  start = hlo_text.find("ENTRY")
+  if start < 0:
+    raise ValueError("no ENTRY computation in the HLO text")
+  runs: list[list] = []
+  for line in hlo_text[start:].splitlines()[1:]:
+    if line.strip() == "}":
+      break
+    found = re.search(r"=\s+\S+\s+([a-z][a-z0-9-]*)\(", line)
+    if not found or found.group(1) in ("parameter", "constant", "tuple", "get-tuple-element"):
+      continue
+    op = found.group(1)
+    kind = op if op.startswith(("all-", "reduce-scatter", "collective-")) else "other"
+    if runs and runs[-1][0] == kind:
+      runs[-1][1] += 1
+    else:
+      runs.append([kind, 1])
+  return runs
+
+
+def overlap_hidden(seconds: dict[str, float]) -> float:
+  """The ``hidden`` share of `measure_overlap` from its programs' seconds."""
+  parts = (seconds["compute"], seconds["collectives"])
+  if min(parts) <= 0:
+    raise ValueError(f"compute and collectives times must be positive, got {parts}")
+  return (sum(parts) - seconds["independent"]) / min(parts)
+
+
 def parse_bandwidth(text: str) -> float:
   """'1gbit', '10Gbit', '25gbps', '100mbit' -> bits per second."""
   units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9}
@@ -957,9 +1106,10 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     progress("measuring how often DLGS's refresh rule recomputes thresholds")
     fraction = measure_refresh(model, variables, *batches, density, reuse_every=reuse_every,
                                refresh_below=refresh_below)
-  # Measured on the emulated cluster (experiments/README.md): XLA's CPU
-  # collectives block the computation, so nothing overlaps there; GPU backends
-  # run collectives asynchronously.
+  # Measured on the emulated cluster (`measure_overlap`, experiments/overlap_probe.py):
+  # XLA's CPU backend schedules a program's collectives after the work they do
+  # not depend on and hides none of their time; GPU backends run collectives
+  # asynchronously.
   overlap = jax.default_backend() != "cpu"
   profile = Profile(
       model=name, paths=compute["order"], sizes=compute["sizes"], overlap=overlap,

@@ -42,3 +42,36 @@ def test_benchmark_checks_training_flags_it_passes_on():
                          "--refresh-below", "bogus", "--steps", "1"],
                         env=child_env(), capture_output=True, text=True, timeout=300)
   assert done.returncode != 0 and "--refresh-below 'bogus' is invalid" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_benchmark_measures_overlap_on_two_processes(tmp_path):
+  out = tmp_path / "overlap.json"
+  done = subprocess.run(
+      [sys.executable, "-m", "dlgs_jax.launch", "--nproc", "2", "--module", "dlgs_jax.benchmark",
+       "--", "--overlap-out", str(out), "--overlap-rounds", "1,2", "--overlap-leaves", "2",
+       "--overlap-size", "4096", "--steps", "2"],
+      env=child_env(), capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+  result = json.loads(out.read_text())
+  assert result["processes"] == 2 and [r["rounds"] for r in result["results"]] == [1, 2]
+  for r in result["results"]:
+    assert r["workers"] == 2 and r["leaves"] == 2 and r["size"] == 4096
+    assert all(len(s) == 2 for s in r["samples"].values())
+    s = r["seconds"]
+    assert r["hidden"] == pytest.approx(
+        (s["compute"] + s["collectives"] - s["independent"]) / min(s["compute"], s["collectives"]))
+  assert "hidden" in done.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--overlap-rounds", "0"], "--overlap-rounds must be >= 1 (got '0')"),
+    (["--overlap-rounds", "one"], "--overlap-rounds must be comma-separated integers, got 'one'"),
+    (["--overlap-size", "100"], "--overlap-size >= 2000 (got 100)"),
+])
+def test_benchmark_rejects_bad_overlap_settings(tmp_path, flags, message):
+  done = subprocess.run([sys.executable, "-m", "dlgs_jax.benchmark", "--overlap-out",
+                         str(tmp_path / "o.json"), *flags],
+                        env=child_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode != 0 and message in done.stderr
+  assert not (tmp_path / "o.json").exists()

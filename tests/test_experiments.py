@@ -205,3 +205,21 @@ def test_budget_share_measures_where_global_topk_sends_and_the_head_variant(tmp_
   assert (tmp_path / "budget_share.png").stat().st_size > 10_000
   with pytest.raises(SystemExit, match="gtopk"):
     share.compressor("gtopk", 0.1, order)
+
+
+def test_overlap_probe_tables_and_plots_what_the_workers_measured(tmp_path):
+  probe = load("overlap_probe")
+  result = {"seconds": {"compute": 0.1374, "collectives": 0.1934, "independent": 0.3412,
+                        "chained": 0.4224},
+            "schedule": [["other", 97], ["all-gather", 32], ["other", 33]],
+            "rounds": 1, "size": 200000, "leaves": 32}
+  result["hidden"] = (0.1374 + 0.1934 - 0.3412) / 0.1374
+  payload = {"results": [result], "workers": 4, "bandwidth": "1gbit", "backend": "cpu"}
+  lines = probe.markdown(payload).splitlines()
+  assert len(lines) == 3
+  cells = [c.strip() for c in lines[2].strip("|").split("|")]
+  assert cells[1:5] == ["137.4", "193.4", "330.8", "341.2"]
+  assert cells[5] == "422.4" and cells[6] == "-0.08"
+  assert cells[7] == "other x97, all-gather x32, other x33"
+  probe.plot(payload, tmp_path / "overlap.png")
+  assert (tmp_path / "overlap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -117,6 +117,93 @@ def test_measure_comm_on_local_mesh():
     profiler.measure_comm(mesh, [64], 0.01, chain=0)
 
 
+def _overlap_reference(x, message, rounds):
+  """NumPy: per leaf, the sum over workers of work(leaf)[:message] * mean(work(leaf))."""
+  v = x.astype(np.float64)
+  for _ in range(rounds):
+    v = np.sin(v) * 1.0001 + np.cos(v) * 0.5
+  return (v[..., :message] * v.mean(axis=-1, keepdims=True)).sum(axis=0)
+
+
+def test_overlap_programs_do_the_work_and_collectives_they_name():
+  mesh = parallel.data_mesh(4)
+  leaves, size, message, rounds = 3, 64, 5, 2
+  x = np.random.default_rng(1).standard_normal((4, leaves, size)).astype(np.float32)
+  xs = parallel.shard_batch(x, mesh)
+  programs = profiler.overlap_programs(mesh, leaves=leaves, message=message, rounds=rounds)
+  assert set(programs) == set(profiler.OVERLAP_PROGRAMS)
+  out = {name: np.asarray(parallel.fetch(program(xs))) for name, program in programs.items()}
+  expected = _overlap_reference(x, message, rounds)
+  for name in ("independent", "chained"):
+    assert out[name].shape == (4, leaves, message)
+  # Every worker holds the sum over workers: the collective ran.
+  np.testing.assert_allclose(out["independent"], np.broadcast_to(expected, out["independent"].shape),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(out["collectives"],
+                             np.broadcast_to(x[:, :, :message].sum(0), (4, leaves, message)),
+                             rtol=1e-5, atol=1e-6)
+  # compute: each worker its own message times the worker count, no exchange.
+  for w in range(4):
+    np.testing.assert_allclose(out["compute"][w], 4 * _overlap_reference(x[w:w + 1], message,
+                                                                          rounds),
+                               rtol=1e-4, atol=1e-5)
+  # chained: leaf i's input moved by 1e-3 * leaf i-1's result, so leaf 0 is unchanged.
+  chained_x = x.copy()
+  prev = None
+  for i in range(leaves):
+    if prev is not None:
+      chained_x[:, i, :message] += (prev * 1e-3).astype(np.float32)
+    prev = _overlap_reference(chained_x[:, i:i + 1], message, rounds)[0]
+  np.testing.assert_allclose(out["chained"][0], _overlap_reference(chained_x, message, rounds),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(out["chained"][:, 0], out["independent"][:, 0])
+  assert np.abs(out["chained"][:, 1:] - out["independent"][:, 1:]).max() > 1e-3 * np.abs(
+      expected[1:]).max()
+  with pytest.raises(ValueError, match="rounds must be >= 1, got 3, 5, 0"):
+    profiler.overlap_programs(mesh, leaves=3, message=5, rounds=0)
+
+
+def test_measure_overlap_reports_the_hidden_share_of_its_timings():
+  mesh = parallel.data_mesh(2)
+  result = profiler.measure_overlap(mesh, leaves=2, size=256, message=8, rounds=1, repeats=3)
+  seconds = result["seconds"]
+  assert set(seconds) == set(profiler.OVERLAP_PROGRAMS) and min(seconds.values()) > 0
+  assert all(len(result["samples"][k]) == 3 and seconds[k] == np.median(result["samples"][k])
+             for k in seconds)
+  assert result["hidden"] == pytest.approx(
+      (seconds["compute"] + seconds["collectives"] - seconds["independent"])
+      / min(seconds["compute"], seconds["collectives"]))
+  assert result["workers"] == 2 and result["rounds"] == 1
+  # The compiled order holds one all-gather per leaf, between the other instructions.
+  schedule = result["schedule"]
+  assert sum(n for kind, n in schedule if kind == "all-gather") == 2
+  assert {kind for kind, _ in schedule} == {"all-gather", "other"}
+  text = """HloModule m
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %s = f32[4]{0} sine(%p)
+}
+ENTRY %main (a: f32[4]) -> (f32[8], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused
+  %g = f32[8]{0} all-gather(%f), dimensions={0}
+  %c = f32[] constant(1)
+  %h = f32[4]{0} fusion(%f), kind=kLoop, calls=%fused
+  %k = f32[4]{0} fusion(%h), kind=kLoop, calls=%fused
+  %r = f32[4]{0} all-reduce(%k), to_apply=%add
+  ROOT %t = (f32[8]{0}, f32[4]{0}) tuple(%g, %r)
+}
+"""
+  assert profiler.collective_schedule(text) == [["other", 1], ["all-gather", 1], ["other", 2],
+                                                ["all-reduce", 1]]
+  with pytest.raises(ValueError, match="no ENTRY"):
+    profiler.collective_schedule("HloModule m")
+  assert profiler.overlap_hidden({"compute": 2.0, "collectives": 1.0, "independent": 2.0}) == 1.0
+  assert profiler.overlap_hidden({"compute": 2.0, "collectives": 1.0, "independent": 3.5}) == -0.5
+  with pytest.raises(ValueError, match=r"size \(4\) must be >= message \(8\)"):
+    profiler.measure_overlap(mesh, size=4, message=8)
+
+
 def test_measure_update_fits_every_method():
   costs, raw = profiler.measure_update([4096, 65536], 0.01, repeats=2, reuse_every=4)
   assert set(costs) == set(profiler.UPDATE_METHODS) | {"dlgs_exact", "dlgs_reuse"}
