@@ -43,7 +43,7 @@ from jax import lax
 
 from dlgs_jax import collectives, engine, selection
 from dlgs_jax.state import CommStats, DGCState, empty_stats
-from dlgs_jax.transforms import _all_finite, _as_varying, _check_density
+from dlgs_jax.transforms import _as_varying, _check_density, _unless_nonfinite
 
 LOWERING_FACTOR = 0.8
 
@@ -288,8 +288,8 @@ def dgc(
       return _as_varying((means, list(velocity), list(residuals), stats, state.count), axis_name)
 
     if skip_nonfinite:
-      means, new_u, new_v, stats, count = lax.cond(
-          _all_finite(grads, axis_name), communicate, skip, None)
+      means, new_u, new_v, stats, count = _unless_nonfinite(
+          grads, axis_name, communicate, skip)
     else:
       means, new_u, new_v, stats, count = communicate(None)
     original = jax.tree_util.tree_leaves(updates)

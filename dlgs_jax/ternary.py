@@ -21,7 +21,7 @@ from jax import lax
 
 from dlgs_jax import collectives, engine, wire
 from dlgs_jax.state import CommStats, TernGradState, empty_stats
-from dlgs_jax.transforms import _all_finite, _as_varying, _check_groups
+from dlgs_jax.transforms import _as_varying, _check_groups, _unless_nonfinite
 
 
 def pack_ternary(values: jax.Array) -> jax.Array:
@@ -129,7 +129,7 @@ def terngrad(
       return _as_varying((means, stats, state.count), axis_name)
 
     if skip_nonfinite:
-      means, stats, count = lax.cond(_all_finite(grads, axis_name), communicate, skip, None)
+      means, stats, count = _unless_nonfinite(grads, axis_name, communicate, skip)
     else:
       means, stats, count = communicate(None)
     new_updates = jax.tree_util.tree_unflatten(

@@ -19,7 +19,9 @@ update is all zeros, the residuals, thresholds and step count are kept, and
 ``stats.skipped`` goes up by one. Workers agree through one tiny all-reduce of a
 flag, so they never diverge. Optimizers chained after this transform still see
 the zero update (momentum keeps moving the weights, as it would for a zero
-gradient).
+gradient). The exchange itself runs either way and the flag only chooses its
+result (`_unless_nonfinite`), so that each group's collective waits for its own
+gradients only.
 """
 
 from __future__ import annotations
@@ -89,10 +91,36 @@ def _all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
   return bad == 0
 
 
+def _unless_nonfinite(grads: Sequence[jax.Array], axis_name, communicate, skip):
+  """``communicate(None)`` if every worker's `grads` are finite, else ``skip(None)``.
+
+  Both run, and the flag selects between their results leaf by leaf (as
+  `optax.apply_if_finite` does), rather than a `lax.cond` running one of them:
+  a cond's branches start only once its predicate is known, and the predicate
+  needs every gradient of every worker, so every collective inside would wait
+  for the end of the backward pass. Selected, a group's collective depends on
+  that group's gradients only, and a backend with asynchronous collectives can
+  run it while the backward pass goes on (the wait-free backpropagation DLGS
+  pipelines with, Sec. 3 of the paper). On a skipped step the exchange's
+  results, NaNs included, are discarded; every exchange has a fixed amount of
+  work (bounded loops), so non-finite values cannot stall it.
+
+  Args:
+    grads: this worker's gradient leaves.
+    axis_name: the data axis (None: one worker).
+    communicate, skip: functions of one ignored argument returning pytrees of
+      equal structure, shapes and dtypes.
+  """
+  finite = _all_finite(grads, axis_name)
+  return jax.tree_util.tree_map(lambda sent, kept: jnp.where(finite, sent, kept),
+                                communicate(None), skip(None))
+
+
 def _as_varying(tree, axis_name):
   """Marks every leaf as varying over `axis_name` (shard_map's check_vma types).
 
-  Both branches of the skip/communicate `lax.cond` must have equal types; the
+  The skip and communicate results `_unless_nonfinite` selects between must have
+  equal types; the
   per-worker state is varying by nature, so everything is made varying.
   Without type checking (``check_vma=False``) this is a no-op.
   """
@@ -170,8 +198,8 @@ def _sparse_transform(
           (means, list(old_residuals), old_thresholds, stats, state.count), axis_name)
 
     if skip_nonfinite:
-      means, residuals, thresholds, stats, count = lax.cond(
-          _all_finite(grads, axis_name), communicate, skip, None)
+      means, residuals, thresholds, stats, count = _unless_nonfinite(
+          grads, axis_name, communicate, skip)
     else:
       means, residuals, thresholds, stats, count = communicate(None)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(layout.treedef, leaves)
@@ -372,8 +400,7 @@ def dense(
       return _as_varying((means, stats, state.count), axis_name)
 
     if skip_nonfinite:
-      means, stats, count = lax.cond(
-          _all_finite(grads, axis_name), communicate, skip, None)
+      means, stats, count = _unless_nonfinite(grads, axis_name, communicate, skip)
     else:
       means, stats, count = communicate(None)
     new_updates = jax.tree_util.tree_unflatten(

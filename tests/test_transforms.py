@@ -479,3 +479,96 @@ def test_plan_like_object_is_accepted():
   state = dlgs_jax.dlgs(0.1, groups=Plan()).init(PARAMS)
   assert state.stats.selected.shape == (2,)
   assert grouping.resolve_groups(grouping.leaf_paths(PARAMS), Plan.groups, ORDER)[0] == [2, 3, 0]
+
+
+COLLECTIVE_PRIMITIVES = ("all_gather", "psum", "psum_invariant", "pmax", "ppermute",
+                         "all_to_all", "reduce_scatter")
+
+
+def _sub_jaxprs(eqn):
+  subs = []
+  for value in eqn.params.values():
+    for item in (value if isinstance(value, (list, tuple)) else [value]):
+      inner = getattr(item, "jaxpr", item)
+      if hasattr(inner, "eqns"):
+        subs.append(inner)
+  return subs
+
+
+def _collective_dependencies(jaxpr, in_deps, found, control=frozenset()):
+  """Walks `jaxpr`, recording for every collective the labels of the inputs it waits for.
+
+  An input reaches a collective through its operands (data) or through the
+  predicate of a `cond` around it (control): a branch starts only once the
+  predicate is known. Loops and other nested programs are taken whole.
+  Returns the labels each output of `jaxpr` depends on.
+  """
+  env = dict(zip(jaxpr.invars, in_deps))
+  get = lambda v: frozenset() if hasattr(v, "val") else env.get(v, frozenset())  # noqa: E731
+  for eqn in jaxpr.eqns:
+    ins = [get(v) for v in eqn.invars]
+    union = frozenset().union(*ins)
+    name = eqn.primitive.name
+    if name in COLLECTIVE_PRIMITIVES:
+      found.append((name, eqn.invars[0].aval, union | control))
+    subs = _sub_jaxprs(eqn)
+    if name == "cond":
+      outs = [frozenset()] * len(eqn.outvars)
+      for branch in subs:
+        got = _collective_dependencies(branch, ins[1:], found, control | ins[0])
+        outs = [a | b | ins[0] for a, b in zip(outs, got)]
+    elif len(subs) == 1 and len(subs[0].invars) == len(ins):
+      outs = _collective_dependencies(subs[0], ins, found, control)
+    else:
+      for sub in subs:
+        _collective_dependencies(sub, [union] * len(sub.invars), found, control | union)
+      outs = [union] * len(eqn.outvars)
+    env.update(zip(eqn.outvars, outs))
+  return [get(v) for v in jaxpr.outvars]
+
+
+PIPELINED = {
+    "dlgs": lambda: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, order=ORDER,
+                                  groups=[ORDER[:2], ORDER[2:]]),
+    "lags": lambda: dlgs_jax.lags(0.1, axis_name="data", order=ORDER),
+    "dense": lambda: dlgs_jax.dense(axis_name="data", order=ORDER,
+                                    groups=[ORDER[:2], ORDER[2:]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINED))
+def test_a_groups_collective_waits_for_its_own_gradients_only(name):
+  """Wait-free backpropagation needs each group's collective free to start as soon as
+  that group's gradients exist. The non-finite check needs every gradient; it must
+  not hold back the collectives (as a `lax.cond` around them did)."""
+  tx = PIPELINED[name]()
+  mesh = parallel.data_mesh(2)
+  state = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((2,) + x.shape, x.dtype), jax.eval_shape(tx.init, PARAMS))
+  paths = grouping.leaf_paths(PARAMS)
+  shapes = [x.shape for x in jax.tree_util.tree_leaves(PARAMS)]
+  treedef = jax.tree_util.tree_structure(PARAMS)
+  spec = jax.sharding.PartitionSpec("data")
+
+  def step(s, *grads):
+    g = jax.tree_util.tree_unflatten(treedef, [parallel.squeeze(x) for x in grads])
+    u, s = tx.update(g, parallel.squeeze(s))
+    return parallel.unsqueeze(u), parallel.unsqueeze(s)
+
+  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+  grads = [jax.ShapeDtypeStruct((2,) + shape, jnp.float32) for shape in shapes]
+  closed = jax.make_jaxpr(fn)(state, *grads)
+  labels = ([frozenset({"state"})] * len(jax.tree_util.tree_leaves(state))
+            + [frozenset({p}) for p in paths])
+  found = []
+  _collective_dependencies(closed.jaxpr, labels, found)
+  groups = ([set(ORDER[:2]), set(ORDER[2:])] if name != "lags"
+            else [{p} for p in ORDER])
+  # The gradient messages: every collective but the scalar non-finite flag.
+  messages = [(prim, aval, deps - {"state"}) for prim, aval, deps in found if aval.size > 1]
+  for prim, aval, deps in messages:
+    assert deps in groups, (prim, aval.shape, sorted(deps))
+  assert sorted(map(sorted, (deps for _, _, deps in messages))) == sorted(map(sorted, groups))
+  # The flag needs every gradient, and nothing waits for it but the final choice.
+  flags = [deps for _, aval, deps in found if aval.size == 1]
+  assert flags == [frozenset(paths)]
