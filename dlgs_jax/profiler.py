@@ -1107,8 +1107,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     fraction = measure_refresh(model, variables, *batches, density, reuse_every=reuse_every,
                                refresh_below=refresh_below)
   # Measured on the emulated cluster (`measure_overlap`, experiments/overlap_probe.py):
-  # XLA's CPU backend schedules a program's collectives after the work they do
-  # not depend on and hides none of their time; GPU backends run collectives
+  # XLA's CPU backend hides none of a collective's time behind independent work
+  # (a gloo collective blocks its thread); GPU backends run collectives
   # asynchronously.
   overlap = jax.default_backend() != "cpu"
   profile = Profile(
