@@ -39,6 +39,7 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                               "--out-dir", e + "results/cluster_resnet50"]),
         ("cluster_resnet20", [e + "bench_cluster.py", "--models", "resnet20", "--densities",
                               "0.01", "--out-dir", e + "results/cluster_resnet20"]),
+        ("cluster_overlap", [e + "overlap_probe.py"]),
         ("accuracy", [e + "accuracy.py"]),
         ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
                            "--densities", "0.1", "--epochs", "60", "--out-dir",
@@ -61,6 +62,8 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                    str(out / "scaling")]),
       ("ring", ["-m", "dlgs_jax.sim.ring", "--points", "41", "--out-dir", str(out / "ring")]),
       ("cluster", [e + "bench_cluster.py", "--quick", "--out-dir", str(out / "cluster")]),
+      ("cluster_overlap", [e + "overlap_probe.py", "--rounds", "1", "--steps", "5",
+                           "--out-dir", str(out / "overlap")]),
       ("accuracy", [e + "accuracy.py", "--quick", "--out-dir", str(out / "accuracy"),
                     "--runs-dir", str(out / "accuracy_runs")]),
   ]
