@@ -120,8 +120,8 @@ def _as_varying(tree, axis_name):
   """Marks every leaf as varying over `axis_name` (shard_map's check_vma types).
 
   The skip and communicate results `_unless_nonfinite` selects between must have
-  equal types; the
-  per-worker state is varying by nature, so everything is made varying.
+  equal types; the per-worker state is varying by nature, so everything is made
+  varying.
   Without type checking (``check_vma=False``) this is a no-op.
   """
   if axis_name is None:
