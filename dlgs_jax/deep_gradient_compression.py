@@ -287,11 +287,8 @@ def dgc(
       stats = empty_stats(num_groups(sparse, dense))._replace(skipped=state.stats.skipped + 1)
       return _as_varying((means, list(velocity), list(residuals), stats, state.count), axis_name)
 
-    if skip_nonfinite:
-      means, new_u, new_v, stats, count = _unless_nonfinite(
-          grads, axis_name, communicate, skip)
-    else:
-      means, new_u, new_v, stats, count = communicate(None)
+    means, new_u, new_v, stats, count = _unless_nonfinite(
+        skip_nonfinite, grads, axis_name, communicate, skip)
     original = jax.tree_util.tree_leaves(updates)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
     return (unflatten([m.astype(g.dtype) for m, g in zip(means, original)]),

@@ -128,10 +128,8 @@ def terngrad(
       stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
       return _as_varying((means, stats, state.count), axis_name)
 
-    if skip_nonfinite:
-      means, stats, count = _unless_nonfinite(grads, axis_name, communicate, skip)
-    else:
-      means, stats, count = communicate(None)
+    means, stats, count = _unless_nonfinite(
+        skip_nonfinite, grads, axis_name, communicate, skip)
     new_updates = jax.tree_util.tree_unflatten(
         layout.treedef, [m.astype(g.dtype) for m, g in
                          zip(means, jax.tree_util.tree_leaves(updates))])

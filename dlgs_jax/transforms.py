@@ -91,8 +91,11 @@ def _all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
   return bad == 0
 
 
-def _unless_nonfinite(grads: Sequence[jax.Array], axis_name, communicate, skip):
+def _unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name,
+                      communicate, skip):
   """``communicate(None)`` if every worker's `grads` are finite, else ``skip(None)``.
+
+  With `skip_nonfinite` False: ``communicate(None)``, no check.
 
   Both run, and the flag selects between their results leaf by leaf (as
   `optax.apply_if_finite` does), rather than a `lax.cond` running one of them:
@@ -106,11 +109,14 @@ def _unless_nonfinite(grads: Sequence[jax.Array], axis_name, communicate, skip):
   work (bounded loops), so non-finite values cannot stall it.
 
   Args:
+    skip_nonfinite: the transform's setting of that name.
     grads: this worker's gradient leaves.
     axis_name: the data axis (None: one worker).
     communicate, skip: functions of one ignored argument returning pytrees of
       equal structure, shapes and dtypes.
   """
+  if not skip_nonfinite:
+    return communicate(None)
   finite = _all_finite(grads, axis_name)
   return jax.tree_util.tree_map(lambda sent, kept: jnp.where(finite, sent, kept),
                                 communicate(None), skip(None))
@@ -197,11 +203,8 @@ def _sparse_transform(
       return _as_varying(
           (means, list(old_residuals), old_thresholds, stats, state.count), axis_name)
 
-    if skip_nonfinite:
-      means, residuals, thresholds, stats, count = _unless_nonfinite(
-          grads, axis_name, communicate, skip)
-    else:
-      means, residuals, thresholds, stats, count = communicate(None)
+    means, residuals, thresholds, stats, count = _unless_nonfinite(
+        skip_nonfinite, grads, axis_name, communicate, skip)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(layout.treedef, leaves)
     new_updates = unflatten([m.astype(g.dtype) for m, g in zip(means, grads)])
     if with_thresholds:
@@ -399,10 +402,8 @@ def dense(
       stats = empty_stats(num_groups)._replace(skipped=state.stats.skipped + 1)
       return _as_varying((means, stats, state.count), axis_name)
 
-    if skip_nonfinite:
-      means, stats, count = _unless_nonfinite(grads, axis_name, communicate, skip)
-    else:
-      means, stats, count = communicate(None)
+    means, stats, count = _unless_nonfinite(
+        skip_nonfinite, grads, axis_name, communicate, skip)
     new_updates = jax.tree_util.tree_unflatten(
         layout.treedef, [m.astype(g.dtype) for m, g in zip(means, grads)])
     return new_updates, DenseState(count, stats)
