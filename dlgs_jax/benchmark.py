@@ -29,6 +29,13 @@ non-overlapped communication = step - compress; communication alone =
 exchange - (compress - compute); overlap = communication alone - non-overlapped
 (how much of the collectives XLA hid behind the backward pass).
 
+With ``--compare dense,topk,dlgs-paper,...`` it instead times only the train
+steps of several methods in one job, interleaved: ``--rounds`` rounds, each
+timing ``--steps`` steps of every method, the methods' order rotated from round
+to round. Each round's medians are a paired comparison: on a machine whose
+speed drifts (shared or virtualised cores), the methods of one round ran under
+the same conditions, where separate jobs minutes apart do not.
+
 With ``--profile-out`` it instead measures a planner profile on the same
 processes (`profiler.profile_model`) and writes it from process 0. With
 ``--overlap-out`` it instead asks whether the runtime hides a collective behind
@@ -78,6 +85,15 @@ def parse_args(argv=None):
                       help="--overlap-out: collectives per program")
   parser.add_argument("--overlap-size", type=int, default=200_000,
                       help="--overlap-out: elements of work per collective")
+  parser.add_argument("--compare",
+                      help="time the train steps of these methods or variants (comma-separated, "
+                      "e.g. dense,topk,dlgs-paper) interleaved in rounds instead")
+  parser.add_argument("--rounds", type=int, default=8,
+                      help="--compare: rounds; each times --steps steps of every method")
+  parser.add_argument("--plans", default="",
+                      help="--compare: METHOD=PLAN.json,... groups for dense/DLGS/LAGS methods; "
+                      "dense and DLGS methods without one send the model as one message, LAGS "
+                      "one message per leaf")
   return parser.parse_args(argv)
 
 
@@ -86,6 +102,10 @@ def main(argv=None) -> int:
   for name in ("batches", "steps", "batch_size"):
     if getattr(args, name) < 1:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.compare:
+    check_compare(args)
+  elif args.plans:
+    raise SystemExit(f"--plans is for --compare; got --plans {args.plans!r} without it")
   from dlgs_jax import distributed
   distributed.initialize()
 
@@ -139,6 +159,11 @@ def main(argv=None) -> int:
   variables = training.init_variables(model, sample, seed=0)
   order = train.backward_order_of(model, variables["params"], variables.get("batch_stats", {}),
                                   sample.shape)
+  if args.compare:
+    global_batches = [parallel.shard_batch((images[i], labels[i]), mesh)
+                      for i in range(args.batches)]
+    return _compare(args, mesh, model, variables, order, global_batches, shape,
+                    multihost_utils)
   plan = planner.Plan.load(args.plan) if args.plan else None
   if plan is not None:
     plan.check_compatible(paths=grouping.leaf_paths(variables["params"]), workers=workers)
@@ -256,6 +281,129 @@ def main(argv=None) -> int:
           f"comm exposed {result['breakdown']['comm_exposed'] * 1e3:.1f}, comm alone "
           f"{result['breakdown']['comm_alone'] * 1e3:.1f} ms, {stats['bytes_sent'] / 1e6:.2f} MB "
           "sent per worker", flush=True)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+  return 0
+
+
+def parse_plans(text: str) -> dict:
+  """``"dense=a.json,dlgs=b.json"`` -> ``{"dense": "a.json", "dlgs": "b.json"}``."""
+  plans = {}
+  for item in filter(None, text.split(",")):
+    method, sep, path = item.partition("=")
+    if not sep or not method or not path:
+      raise SystemExit(f"--plans entries are METHOD=PLAN.json, got {item!r}")
+    plans[method] = path
+  return plans
+
+
+def check_compare(args) -> None:
+  """Exits with a message naming the bad value unless ``--compare``'s settings make sense."""
+  from dlgs_jax.train import METHODS, variant
+
+  methods = args.compare.split(",")
+  if len(set(methods)) != len(methods) or "" in methods:
+    raise SystemExit(f"--compare needs distinct method names, got {args.compare!r}")
+  bases = {name: variant(name)[0] for name in methods}
+  unknown = [name for name, base in bases.items() if base not in METHODS]
+  if unknown:
+    raise SystemExit(f"--compare: unknown methods {unknown} (methods: {', '.join(METHODS)}, "
+                     "or a variant such as dlgs-paper)")
+  if args.rounds < 1:
+    raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+  plans = parse_plans(args.plans)
+  stray = sorted(set(plans) - set(methods))
+  if stray:
+    raise SystemExit(f"--plans names methods not in --compare: {stray}")
+  fixed = sorted(name for name in plans if bases[name] not in ("dense", "dlgs", "lags"))
+  if fixed:
+    raise SystemExit(f"--plans: {fixed} send a fixed message layout and take no plan")
+
+
+def _compare(args, mesh, model, variables, order, global_batches, shape,
+             multihost_utils) -> int:
+  """``--compare``: every method's train step, timed in interleaved rounds."""
+  import jax
+  import numpy as np
+
+  import dlgs_jax
+  from dlgs_jax import grouping, parallel, planner, train, training
+
+  methods = args.compare.split(",")
+  plans = parse_plans(args.plans)
+  workers = int(mesh.devices.size)
+  paths = grouping.leaf_paths(variables["params"])
+  leader = jax.process_index() == 0
+  runs = {}
+  for name in methods:
+    base, extra = train.variant(name)
+    settings = train.parse_args(["--method", base, "--density", str(args.density),
+                                 "--reuse-every", str(args.reuse_every), *extra])
+    train.check_args(settings)
+    if name in plans:
+      plan = planner.Plan.load(plans[name])
+      plan.check_compatible(paths=paths, workers=workers)
+      groups, grouping_name = plan.groups, f"plan {plans[name]}"
+    elif base in ("dense", "dlgs"):
+      # What the optimal planner chooses where collectives do not overlap computation.
+      groups, grouping_name = [list(order)], "one message"
+    else:
+      groups, grouping_name = None, "the method's own"
+    tx = train.build_optimizer(settings, "data", settings.lr, groups, order)
+    runs[name] = {"state": training.train_state_from_variables(variables, tx, mesh),
+                  "step": training.make_train_step(model, tx, mesh, augment=False),
+                  "turn": 0, "exact": [], "grouping": grouping_name,
+                  "groups": len(groups) if groups else None}
+
+  def one_step(run):
+    # Each method takes the batches in the same order.
+    batch = global_batches[run["turn"] % len(global_batches)]
+    run["turn"] += 1
+    run["state"], metrics = run["step"](run["state"], *batch)
+    run["exact"].append(metrics.get("exact"))
+    return metrics
+
+  for name in methods:
+    for _ in range(args.warmup):
+      jax.block_until_ready(one_step(runs[name]))
+    runs[name]["exact"].clear()
+  raw = {name: [] for name in methods}
+  orders = []
+  for r in range(args.rounds):
+    # Rotated, so no method always runs first, right after the warm-ups.
+    orders.append([methods[(r + j) % len(methods)] for j in range(len(methods))])
+    for name in orders[-1]:
+      times = []
+      for _ in range(args.steps):
+        multihost_utils.sync_global_devices("compare")
+        start = time.perf_counter()
+        jax.block_until_ready(one_step(runs[name]))
+        times.append(time.perf_counter() - start)
+      raw[name].append(times)
+    if leader:
+      print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+          f"{name} {np.median(raw[name][-1]) * 1e3:.1f}" for name in methods) + " ms",
+            flush=True)
+  result = {"model": args.model, "density": args.density, "workers": workers,
+            "batch_size": args.batch_size, "image_shape": list(shape),
+            "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+            "round_orders": orders, "methods": {}}
+  for name in methods:
+    run = runs[name]
+    stats = dlgs_jax.stats_summary(parallel.fetch(dlgs_jax.comm_stats(run["state"].opt_state)))
+    exact = [float(x) for x in run["exact"] if x is not None]
+    result["methods"][name] = {
+        "grouping": run["grouping"], "groups": run["groups"],
+        "median": float(np.median(np.concatenate(raw[name]))),
+        "round_medians": [float(np.median(t)) for t in raw[name]],
+        "raw": raw[name], "bytes_sent": stats["bytes_sent"],
+        "exact_leaves": float(np.mean(exact)) if exact else None}
+  if leader:
+    for name in methods:
+      m = result["methods"][name]
+      print(f"{name}: median step {m['median'] * 1e3:.1f} ms over {args.rounds} rounds "
+            f"({m['grouping']})", flush=True)
     if args.out:
       with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

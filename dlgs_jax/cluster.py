@@ -95,10 +95,12 @@ class EmulatedCluster:
     bandwidth: link rate for tbf, e.g. "1gbit", "100mbit".
     burst: tbf bucket size (bytes), e.g. "64kb".
     tag: name tag (default: random); names are ``dlgs-<tag>-...``.
+    pin: pin each worker to its share of the cores (`cores_for`); False lets
+      every worker use every core (diagnostics only: the share is no longer fair).
   """
 
   def __init__(self, workers: int, bandwidth: str = "1gbit", *, burst: str = "128kb",
-               tag: Optional[str] = None):
+               tag: Optional[str] = None, pin: bool = True):
     from dlgs_jax.profiler import parse_bandwidth
 
     if not isinstance(workers, int) or workers < 1 or workers > 250:
@@ -107,6 +109,10 @@ class EmulatedCluster:
     self.bandwidth = bandwidth
     self.burst = burst
     self.workers = workers
+    # Off only to diagnose the runtime (e.g. does a process with more than one
+    # core run a collective beside its computation?): unpinned workers compete
+    # for every core, so the cluster's CPU share is no longer fair.
+    self.pin = pin
     self.tag = tag or f"{os.getpid() % 10000}{random.randrange(100):02d}"
     self.bridge_ns = f"{PREFIX}{self.tag}-br"
     self.worker_ns = [f"{PREFIX}{self.tag}-w{i}" for i in range(workers)]
@@ -198,7 +204,8 @@ class EmulatedCluster:
 
   def wrap(self, rank: int) -> list[str]:
     """Command prefix running a process in worker `rank`'s namespace on its core."""
-    return ["ip", "netns", "exec", self.worker_ns[rank], "taskset", "-c", self.cores_for(rank)]
+    prefix = ["ip", "netns", "exec", self.worker_ns[rank]]
+    return prefix + (["taskset", "-c", self.cores_for(rank)] if self.pin else [])
 
   def coordinator(self, port: Optional[int] = None) -> str:
     return f"{self.addresses[0]}:{port or random.randrange(20000, 60000)}"

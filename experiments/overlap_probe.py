@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,9 @@ def parse_args(argv=None):
   parser.add_argument("--leaves", type=int, default=32, help="collectives per program")
   parser.add_argument("--size", type=int, default=200_000, help="elements per leaf")
   parser.add_argument("--steps", type=int, default=9, help="timed repetitions per program")
+  parser.add_argument("--unpinned", action="store_true",
+                      help="let every worker use every core (diagnostics: is one core per "
+                      "process what keeps a collective from running beside the work?)")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "overlap"))
   return parser.parse_args(argv)
 
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
   command = "python experiments/overlap_probe.py " + " ".join(
       sys.argv[1:] if argv is None else argv)
   started = time.time()
-  with cluster.EmulatedCluster(args.workers, args.bandwidth) as c:
+  with cluster.EmulatedCluster(args.workers, args.bandwidth, pin=not args.unpinned) as c:
     status = launch.launch(
         args.workers, ["--overlap-out", str(raw), "--overlap-rounds", args.rounds,
                        "--overlap-leaves", str(args.leaves), "--overlap-size", str(args.size),
@@ -117,8 +121,10 @@ def main(argv=None) -> int:
     return 1
   payload = json.loads(raw.read_text())
   raw.unlink()
+  # The workers inherit XLA_FLAGS (e.g. the CPU scheduler's settings): part of the result.
   payload.update(workers=args.workers, bandwidth=args.bandwidth, command=command,
-                 seconds=time.time() - started)
+                 seconds=time.time() - started, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                 pinned=not args.unpinned)
   (out / "overlap.json").write_text(json.dumps(payload, indent=1))
   table = markdown(payload)
   (out / "overlap.md").write_text(table + "\n")

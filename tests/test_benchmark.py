@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import child_env
@@ -75,3 +76,51 @@ def test_benchmark_rejects_bad_overlap_settings(tmp_path, flags, message):
                         env=child_env(), capture_output=True, text=True, timeout=300)
   assert done.returncode != 0 and message in done.stderr
   assert not (tmp_path / "o.json").exists()
+
+
+def test_benchmark_compares_methods_in_interleaved_rounds(tmp_path):
+  # One process with two devices: the rounds, not the transport, are under test here.
+  out = tmp_path / "compare.json"
+  done = subprocess.run(
+      [sys.executable, "-m", "dlgs_jax.benchmark", "--model", "smallcnn", "--density", "0.1",
+       "--compare", "dense,dlgs-paper,topk", "--rounds", "3", "--steps", "2", "--warmup", "1",
+       "--batches", "2", "--batch-size", "4", "--out", str(out)],
+      env=child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+      capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+  result = json.loads(out.read_text())
+  assert result["workers"] == 2 and result["rounds"] == 3 and result["steps"] == 2
+  methods = ["dense", "dlgs-paper", "topk"]
+  assert list(result["methods"]) == methods
+  # Every round times every method once, and the first to run changes each round.
+  assert [order[0] for order in result["round_orders"]] == methods
+  assert all(sorted(order) == sorted(methods) for order in result["round_orders"])
+  for name, m in result["methods"].items():
+    assert len(m["raw"]) == 3 and all(len(t) == 2 and min(t) > 0 for t in m["raw"])
+    assert m["round_medians"] == pytest.approx([np.median(t) for t in m["raw"]])
+    assert m["median"] == pytest.approx(np.median(np.concatenate(m["raw"])))
+  assert result["methods"]["dense"]["groups"] == result["methods"]["dlgs-paper"]["groups"] == 1
+  assert result["methods"]["topk"]["groups"] is None
+  # Density 0.1: the sparse methods send (index, value) pairs of a tenth of the values.
+  dense_bytes = result["methods"]["dense"]["bytes_sent"]
+  assert 0 < result["methods"]["topk"]["bytes_sent"] < 0.5 * dense_bytes
+  assert 0 < result["methods"]["dlgs-paper"]["bytes_sent"] < 0.5 * dense_bytes
+  assert "round 3/3" in done.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compare", "dense,dense"], "--compare needs distinct method names, got 'dense,dense'"),
+    (["--compare", "dense,fast"], "--compare: unknown methods ['fast']"),
+    (["--compare", "dense,topk", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--compare", "dense,topk", "--plans", "dlgs=p.json"],
+     "--plans names methods not in --compare: ['dlgs']"),
+    (["--compare", "dense,topk", "--plans", "topk=p.json"],
+     "--plans: ['topk'] send a fixed message layout and take no plan"),
+    (["--compare", "dense,topk", "--plans", "topk"],
+     "--plans entries are METHOD=PLAN.json, got 'topk'"),
+    (["--plans", "dense=p.json"], "--plans is for --compare"),
+])
+def test_benchmark_rejects_bad_compare_settings(flags, message):
+  done = subprocess.run([sys.executable, "-m", "dlgs_jax.benchmark", *flags],
+                        env=child_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]

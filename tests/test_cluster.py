@@ -132,3 +132,15 @@ def test_two_workers_train_over_the_shaped_network(tmp_path):
 def test_unavailable_reason_is_explained_when_not_root(monkeypatch):
   monkeypatch.setattr(os, "geteuid", lambda: 1000)
   assert "root" in cluster.unavailable_reason(install=False)
+
+
+def test_workers_are_pinned_to_their_share_of_the_cores_unless_told_not_to():
+  # Building the namespaces needs root; the command prefix does not.
+  cores = sorted(os.sched_getaffinity(0))
+  pinned = cluster.EmulatedCluster(3, "1gbit", tag="t1")
+  for rank in range(3):
+    prefix = pinned.wrap(rank)
+    assert prefix[:4] == ["ip", "netns", "exec", pinned.worker_ns[rank]]
+    assert prefix[4:] == ["taskset", "-c", str(cores[rank % len(cores)])]
+  free = cluster.EmulatedCluster(3, "1gbit", tag="t2", pin=False)
+  assert free.wrap(1) == ["ip", "netns", "exec", free.worker_ns[1]]

@@ -223,3 +223,34 @@ def test_overlap_probe_tables_and_plots_what_the_workers_measured(tmp_path):
   assert cells[7] == "other x97, all-gather x32, other x33"
   probe.plot(payload, tmp_path / "overlap.png")
   assert (tmp_path / "overlap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_cluster_pairs_each_round_with_the_reference(tmp_path):
+  compare = load("compare_cluster")
+  # Three rounds; the machine slows down in round 2 for every method alike.
+  rounds = {"dense": [0.100, 0.150, 0.100], "topk": [0.095, 0.140, 0.105],
+            "dlgs": [0.080, 0.130, 0.090]}
+  payload = {"model": "resnet20", "density": 0.01, "workers": 4, "bandwidth": "1gbit",
+             "rounds": 3, "steps": 2,
+             "methods": {name: {"grouping": "one message", "round_medians": r,
+                                "median": float(np.median(r)), "bytes_sent": 1e5}
+                         for name, r in rounds.items()}}
+  rows = {r["method"]: r for r in compare.summarize(payload)}
+  assert rows["dense"]["speedup"] == pytest.approx(1.0)
+  # Paired per round: 100/95, 150/140, 100/105 -> median 100/95.
+  assert rows["topk"]["speedup"] == pytest.approx(100 / 95)
+  assert rows["topk"]["speedup_min"] == pytest.approx(100 / 105)
+  assert rows["topk"]["speedup_max"] == pytest.approx(150 / 140)
+  assert rows["topk"]["faster_than_reference"] == 2
+  assert rows["dlgs"]["speedup"] == pytest.approx(150 / 130)
+  assert rows["dlgs"]["faster_than_reference"] == 3
+  assert (rows["dlgs"]["round_min"], rows["dlgs"]["round_max"]) == (0.080, 0.130)
+  wins = compare.wins(payload)
+  assert wins["dlgs"] == {"dense": 3, "topk": 3} and wins["topk"] == {"dense": 2, "dlgs": 0}
+  lines = compare.markdown(payload).splitlines()
+  cells = [c.strip() for c in lines[3].strip("|").split("|")]
+  assert cells == ["topk", "one message", "105.0", "95.0-140.0", "1.05x (0.95-1.07)", "2 / 3",
+                   "0.10"]
+  assert lines[-1] == "| dlgs | 3 | 3 | - |"
+  compare.plot(payload, tmp_path / "compare.png")
+  assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,177 @@
+"""Which method is faster, measured as a paired comparison on the emulated cluster.
+
+`bench_cluster.py` runs each method as its own job, minutes apart; on a machine
+whose speed drifts (this project's VMs: the same program's median differs by up
+to 28% between runs) a few percent between two such jobs is not a measured
+difference. This script runs `dlgs_jax.benchmark --compare` once on the
+cluster's workers: every method's train step is compiled in the same job and
+timed in interleaved rounds (``--steps`` steps of each method per round, the
+order rotated each round). Per round, each method's median step gives a paired
+ratio to the reference method (the first in ``--methods``) and an ordering of the
+methods; over the rounds that gives a speedup with its spread and how often
+each method beat each other one.
+
+    python experiments/compare_cluster.py --model resnet20 --density 0.01
+    python experiments/compare_cluster.py --model vgg16 --rounds 6 --steps 3
+    python experiments/compare_cluster.py --model resnet20 --rounds 2 --steps 2 --warmup 1  # quick
+
+Dense and DLGS methods send the model as one message unless ``--plan-dir``
+holds `bench_cluster.py`'s plan for them (``plan_<model>_<method>_<density>.json``),
+which is what the optimal planner chooses on this cluster (collectives do not
+overlap computation there: `overlap_probe.py`). Writes
+``compare_<model>_<density>.{json,md,png}`` under --out-dir. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="resnet20")
+  parser.add_argument("--density", type=float, default=0.01)
+  parser.add_argument("--methods", default="dense,topk,gtopk,dlgs,dlgs-paper",
+                      help="comma-separated; the first is the reference of the speedups")
+  parser.add_argument("--workers", type=int, default=4)
+  parser.add_argument("--bandwidth", default="1gbit")
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--image-size", type=int)
+  parser.add_argument("--rounds", type=int, default=10)
+  parser.add_argument("--steps", type=int, default=5, help="steps of each method per round")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--plan-dir", help="use bench_cluster.py's plans from this directory")
+  parser.add_argument("--out-dir", default=str(HERE / "results" / "compare"))
+  return parser.parse_args(argv)
+
+
+def summarize(payload) -> list[dict]:
+  """Per method: median step, round medians' range, paired speedup over the reference.
+
+  The speedup of method m in round r is reference_r / m_r (round medians); its
+  median over the rounds and the smallest and largest are reported.
+  """
+  methods = list(payload["methods"])
+  ref = np.asarray(payload["methods"][methods[0]]["round_medians"])
+  rows = []
+  for name in methods:
+    m = payload["methods"][name]
+    rounds = np.asarray(m["round_medians"])
+    ratio = ref / rounds
+    rows.append({"method": name, "grouping": m["grouping"], "median": m["median"],
+                 "round_min": float(rounds.min()), "round_max": float(rounds.max()),
+                 "speedup": float(np.median(ratio)), "speedup_min": float(ratio.min()),
+                 "speedup_max": float(ratio.max()), "bytes_sent": m["bytes_sent"],
+                 "faster_than_reference": int(np.sum(rounds < ref))})
+  return rows
+
+
+def wins(payload) -> dict:
+  """``wins[a][b]``: rounds in which a's median step was shorter than b's."""
+  medians = {k: np.asarray(v["round_medians"]) for k, v in payload["methods"].items()}
+  return {a: {b: int(np.sum(medians[a] < medians[b])) for b in medians if b != a}
+          for a in medians}
+
+
+def markdown(payload) -> str:
+  methods = list(payload["methods"])
+  rounds = payload["rounds"]
+  lines = [f"| method | grouping | median step ms | round medians ms (min-max) | speedup vs "
+           f"{methods[0]} (median, min-max over rounds) | rounds faster than {methods[0]} "
+           "| MB sent/worker |",
+           "|---|---|---|---|---|---|---|"]
+  for r in summarize(payload):
+    lines.append(
+        f"| {r['method']} | {r['grouping']} | {r['median'] * 1e3:.1f} | "
+        f"{r['round_min'] * 1e3:.1f}-{r['round_max'] * 1e3:.1f} | {r['speedup']:.2f}x "
+        f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
+        f"{r['faster_than_reference'] if r['method'] != methods[0] else '-'} / {rounds} | "
+        f"{r['bytes_sent'] / 1e6:.2f} |")
+  table = wins(payload)
+  lines += ["", f"Rounds (of {rounds}) in which the row's method had the shorter median step "
+            "than the column's:", "",
+            "| | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+  for a in methods:
+    lines.append(f"| {a} | " + " | ".join("-" if a == b else str(table[a][b])
+                                           for b in methods) + " |")
+  return "\n".join(lines)
+
+
+def plot(payload, path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 3.8))
+  for name, m in payload["methods"].items():
+    rounds = np.arange(1, len(m["round_medians"]) + 1)
+    ax.plot(rounds, np.asarray(m["round_medians"]) * 1e3, marker="o", label=name)
+  ax.set_xlabel("round (every method timed in each, order rotated)")
+  ax.set_ylabel("median step ms in the round")
+  ax.set_title(f"{payload['model']}, density {payload['density']:g}: P={payload['workers']} at "
+               f"{payload.get('bandwidth', '?')}, {payload['steps']} steps per method per round",
+               fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  methods = args.methods.split(",")
+  from dlgs_jax import cluster, launch
+  from dlgs_jax.train import variant
+
+  plans = []
+  if args.plan_dir:
+    for name in methods:
+      path = Path(args.plan_dir) / f"plan_{args.model}_{name}_{args.density:g}.json"
+      if path.exists() and variant(name)[0] in ("dense", "dlgs", "lags"):
+        plans.append(f"{name}={path}")
+  reason = cluster.unavailable_reason()
+  if reason:
+    print(f"cannot build the emulated cluster: {reason}", file=sys.stderr)
+    return 2
+  out = Path(args.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  stem = f"compare_{args.model}_{args.density:g}"
+  raw = out / f"{stem}_raw.json"
+  command = "python experiments/compare_cluster.py " + " ".join(
+      sys.argv[1:] if argv is None else argv)
+  bench_args = ["--model", args.model, "--density", str(args.density), "--batch-size",
+                str(args.batch_size), "--compare", args.methods, "--rounds", str(args.rounds),
+                "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(raw)]
+  if args.image_size:
+    bench_args += ["--image-size", str(args.image_size)]
+  if plans:
+    bench_args += ["--plans", ",".join(plans)]
+  started = time.time()
+  with cluster.EmulatedCluster(args.workers, args.bandwidth) as c:
+    status = launch.launch(args.workers, bench_args, grace=5, module="dlgs_jax.benchmark",
+                           coordinator=c.coordinator(), wrap=c.wrap)
+  if status != 0:
+    print(f"the comparison failed with status {status}", file=sys.stderr)
+    return 1
+  payload = json.loads(raw.read_text())
+  raw.unlink()
+  payload.update(bandwidth=args.bandwidth, command=command, seconds=time.time() - started,
+                 summary=summarize(payload), wins=wins(payload))
+  (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+  table = markdown(payload)
+  (out / f"{stem}.md").write_text(table + "\n")
+  plot(payload, out / f"{stem}.png")
+  print(table)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
