@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -344,7 +345,7 @@ def _compare(args, mesh, model, variables, order, global_batches, shape,
     if name in plans:
       plan = planner.Plan.load(plans[name])
       plan.check_compatible(paths=paths, workers=workers)
-      groups, grouping_name = plan.groups, f"plan {plans[name]}"
+      groups, grouping_name = plan.groups, f"plan {os.path.basename(plans[name])}"
     elif base in ("dense", "dlgs"):
       # What the optimal planner chooses where collectives do not overlap computation.
       groups, grouping_name = [list(order)], "one message"

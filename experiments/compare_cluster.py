@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -53,11 +54,22 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
+def sign_test(wins: int, losses: int) -> float:
+  """Two-sided sign test: the chance of a split at least this uneven if neither is faster."""
+  n = wins + losses
+  if n == 0:
+    return 1.0
+  tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2 ** n
+  return min(1.0, 2 * tail)
+
+
 def summarize(payload) -> list[dict]:
   """Per method: median step, round medians' range, paired speedup over the reference.
 
   The speedup of method m in round r is reference_r / m_r (round medians); its
-  median over the rounds and the smallest and largest are reported.
+  median over the rounds and the smallest and largest are reported, with the
+  sign test's p-value of m being faster or slower than the reference in as
+  many rounds as it was.
   """
   methods = list(payload["methods"])
   ref = np.asarray(payload["methods"][methods[0]]["round_medians"])
@@ -66,11 +78,13 @@ def summarize(payload) -> list[dict]:
     m = payload["methods"][name]
     rounds = np.asarray(m["round_medians"])
     ratio = ref / rounds
-    rows.append({"method": name, "grouping": m["grouping"], "median": m["median"],
+    faster, slower = int(np.sum(rounds < ref)), int(np.sum(rounds > ref))
+    rows.append({"method": name, "grouping": m["grouping"], "groups": m.get("groups"),
+                 "median": m["median"],
                  "round_min": float(rounds.min()), "round_max": float(rounds.max()),
                  "speedup": float(np.median(ratio)), "speedup_min": float(ratio.min()),
                  "speedup_max": float(ratio.max()), "bytes_sent": m["bytes_sent"],
-                 "faster_than_reference": int(np.sum(rounds < ref))})
+                 "faster_than_reference": faster, "p_value": sign_test(faster, slower)})
   return rows
 
 
@@ -86,14 +100,18 @@ def markdown(payload) -> str:
   rounds = payload["rounds"]
   lines = [f"| method | grouping | median step ms | round medians ms (min-max) | speedup vs "
            f"{methods[0]} (median, min-max over rounds) | rounds faster than {methods[0]} "
-           "| MB sent/worker |",
-           "|---|---|---|---|---|---|---|"]
+           "| sign test p | MB sent/worker |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in summarize(payload):
+    grouping = r["grouping"] + (f" ({r['groups']} group{'s' if r['groups'] > 1 else ''})"
+                                if r["groups"] else "")
+    reference = r["method"] == methods[0]
     lines.append(
-        f"| {r['method']} | {r['grouping']} | {r['median'] * 1e3:.1f} | "
+        f"| {r['method']} | {grouping} | {r['median'] * 1e3:.1f} | "
         f"{r['round_min'] * 1e3:.1f}-{r['round_max'] * 1e3:.1f} | {r['speedup']:.2f}x "
         f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
-        f"{r['faster_than_reference'] if r['method'] != methods[0] else '-'} / {rounds} | "
+        f"{'-' if reference else r['faster_than_reference']} / {rounds} | "
+        f"{'-' if reference else format(r['p_value'], '.2g')} | "
         f"{r['bytes_sent'] / 1e6:.2f} |")
   table = wins(payload)
   lines += ["", f"Rounds (of {rounds}) in which the row's method had the shorter median step "

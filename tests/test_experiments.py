@@ -232,7 +232,7 @@ def test_compare_cluster_pairs_each_round_with_the_reference(tmp_path):
             "dlgs": [0.080, 0.130, 0.090]}
   payload = {"model": "resnet20", "density": 0.01, "workers": 4, "bandwidth": "1gbit",
              "rounds": 3, "steps": 2,
-             "methods": {name: {"grouping": "one message", "round_medians": r,
+             "methods": {name: {"grouping": "one message", "groups": 1, "round_medians": r,
                                 "median": float(np.median(r)), "bytes_sent": 1e5}
                          for name, r in rounds.items()}}
   rows = {r["method"]: r for r in compare.summarize(payload)}
@@ -249,8 +249,12 @@ def test_compare_cluster_pairs_each_round_with_the_reference(tmp_path):
   assert wins["dlgs"] == {"dense": 3, "topk": 3} and wins["topk"] == {"dense": 2, "dlgs": 0}
   lines = compare.markdown(payload).splitlines()
   cells = [c.strip() for c in lines[3].strip("|").split("|")]
-  assert cells == ["topk", "one message", "105.0", "95.0-140.0", "1.05x (0.95-1.07)", "2 / 3",
-                   "0.10"]
+  # Two rounds faster, one slower: a split that even as a coin gives with p = 1.
+  assert cells == ["topk", "one message (1 group)", "105.0", "95.0-140.0", "1.05x (0.95-1.07)",
+                   "2 / 3", "1", "0.10"]
+  assert rows["dlgs"]["p_value"] == pytest.approx(0.25)  # 3 of 3: 2 * 1/8
+  assert compare.sign_test(9, 1) == pytest.approx(2 * 11 / 1024)
+  assert compare.sign_test(0, 0) == 1.0
   assert lines[-1] == "| dlgs | 3 | 3 | - |"
   compare.plot(payload, tmp_path / "compare.png")
   assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
