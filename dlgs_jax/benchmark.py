@@ -313,6 +313,9 @@ def check_compare(args) -> None:
                      "or a variant such as dlgs-paper)")
   if args.rounds < 1:
     raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+  if args.plan:
+    raise SystemExit(f"--compare takes its plans as --plans METHOD=PLAN.json, got --plan "
+                     f"{args.plan!r}")
   plans = parse_plans(args.plans)
   stray = sorted(set(plans) - set(methods))
   if stray:
@@ -320,6 +323,25 @@ def check_compare(args) -> None:
   fixed = sorted(name for name in plans if bases[name] not in ("dense", "dlgs", "lags"))
   if fixed:
     raise SystemExit(f"--plans: {fixed} send a fixed message layout and take no plan")
+
+
+def compare_settings(args, name: str):
+  """Checked ``dlgs-train`` settings of method or variant `name` in a ``--compare`` run.
+
+  The shared flags apply as given (--min-ndim and --send-whole to the LAGS
+  and DLGS methods only, the others have no such setting), and a variant's own
+  flags win over them (``dlgs-paper`` is DLGS with ``--refresh-below none``).
+  """
+  from dlgs_jax import train
+
+  base, extra = train.variant(name)
+  layer_wise = (["--min-ndim", str(args.min_ndim), "--send-whole", args.send_whole]
+                if base in ("lags", "dlgs") else [])
+  settings = train.parse_args(["--method", base, "--density", str(args.density),
+                               "--reuse-every", str(args.reuse_every),
+                               "--refresh-below", args.refresh_below, *layer_wise, *extra])
+  train.check_args(settings)
+  return settings
 
 
 def _compare(args, mesh, model, variables, order, global_batches, shape,
@@ -338,10 +360,8 @@ def _compare(args, mesh, model, variables, order, global_batches, shape,
   leader = jax.process_index() == 0
   runs = {}
   for name in methods:
-    base, extra = train.variant(name)
-    settings = train.parse_args(["--method", base, "--density", str(args.density),
-                                 "--reuse-every", str(args.reuse_every), *extra])
-    train.check_args(settings)
+    base = train.variant(name)[0]
+    settings = compare_settings(args, name)
     if name in plans:
       plan = planner.Plan.load(plans[name])
       plan.check_compatible(paths=paths, workers=workers)

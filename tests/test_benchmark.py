@@ -119,8 +119,26 @@ def test_benchmark_compares_methods_in_interleaved_rounds(tmp_path):
     (["--compare", "dense,topk", "--plans", "topk"],
      "--plans entries are METHOD=PLAN.json, got 'topk'"),
     (["--plans", "dense=p.json"], "--plans is for --compare"),
+    (["--compare", "dense,dlgs", "--plan", "p.json"],
+     "--compare takes its plans as --plans METHOD=PLAN.json, got --plan 'p.json'"),
 ])
 def test_benchmark_rejects_bad_compare_settings(flags, message):
-  done = subprocess.run([sys.executable, "-m", "dlgs_jax.benchmark", *flags],
-                        env=child_env(), capture_output=True, text=True, timeout=300)
-  assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+  from dlgs_jax import benchmark
+
+  # Checked before JAX's distributed runtime starts, so in this process.
+  with pytest.raises(SystemExit) as exc:
+    benchmark.main(flags)
+  assert message in str(exc.value.code)
+
+
+def test_compare_applies_the_shared_settings_and_lets_a_variant_override_them():
+  from dlgs_jax import benchmark
+
+  args = benchmark.parse_args(["--compare", "dlgs,dlgs-paper,topk", "--refresh-below", "0.25",
+                               "--min-ndim", "2", "--reuse-every", "5", "--density", "0.05"])
+  dlgs = benchmark.compare_settings(args, "dlgs")
+  assert (dlgs.method, dlgs.refresh_below, dlgs.min_ndim, dlgs.reuse_every, dlgs.density) == (
+      "dlgs", "0.25", 2, 5, 0.05)
+  paper = benchmark.compare_settings(args, "dlgs-paper")
+  assert (paper.method, paper.refresh_below, paper.min_ndim) == ("dlgs", "none", 2)
+  assert benchmark.compare_settings(args, "topk").method == "topk"
