@@ -160,9 +160,9 @@ def main(argv=None) -> int:
   variables = training.init_variables(model, sample, seed=0)
   order = train.backward_order_of(model, variables["params"], variables.get("batch_stats", {}),
                                   sample.shape)
+  global_batches = [parallel.shard_batch((images[i], labels[i]), mesh)
+                    for i in range(args.batches)]
   if args.compare:
-    global_batches = [parallel.shard_batch((images[i], labels[i]), mesh)
-                      for i in range(args.batches)]
     return _compare(args, mesh, model, variables, order, global_batches, shape,
                     multihost_utils)
   plan = planner.Plan.load(args.plan) if args.plan else None
@@ -175,8 +175,6 @@ def main(argv=None) -> int:
   tx_local = train.build_optimizer(settings, None, settings.lr, groups, order)
   state = training.train_state_from_variables(variables, tx, mesh)
   step_fn = training.make_train_step(model, tx, mesh, augment=False)
-  global_batches = [parallel.shard_batch((images[i], labels[i]), mesh)
-                    for i in range(args.batches)]
 
   # This process's first worker's batches, for the programs that run on one device.
   xs = [jnp.asarray(images[i, 0]) for i in range(args.batches)]
@@ -185,13 +183,7 @@ def main(argv=None) -> int:
   def timed(run):
     for _ in range(args.warmup):
       jax.block_until_ready(run())
-    times = []
-    for _ in range(args.steps):
-      multihost_utils.sync_global_devices("bench")
-      start = time.perf_counter()
-      jax.block_until_ready(run())
-      times.append(time.perf_counter() - start)
-    return times
+    return time_repetitions(run, args.steps, lambda: multihost_utils.sync_global_devices("bench"))
 
   holder = {"state": state, "turn": 0}
 
@@ -286,6 +278,28 @@ def main(argv=None) -> int:
       with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
   return 0
+
+
+def time_repetitions(run, repetitions: int, barrier) -> list[float]:
+  """Seconds of each of `repetitions` calls of `run`, every process starting together.
+
+  Args:
+    run: does one repetition and returns its (device) result.
+    repetitions: how many to time.
+    barrier: called before each repetition (all processes wait for each other).
+
+  Returns:
+    The wall time of each repetition, up to its result being ready.
+  """
+  import jax
+
+  times = []
+  for _ in range(repetitions):
+    barrier()
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    times.append(time.perf_counter() - start)
+  return times
 
 
 def parse_plans(text: str) -> dict:
@@ -395,13 +409,8 @@ def _compare(args, mesh, model, variables, order, global_batches, shape,
     # Rotated, so no method always runs first, right after the warm-ups.
     orders.append([methods[(r + j) % len(methods)] for j in range(len(methods))])
     for name in orders[-1]:
-      times = []
-      for _ in range(args.steps):
-        multihost_utils.sync_global_devices("compare")
-        start = time.perf_counter()
-        jax.block_until_ready(one_step(runs[name]))
-        times.append(time.perf_counter() - start)
-      raw[name].append(times)
+      raw[name].append(time_repetitions(lambda: one_step(runs[name]), args.steps,
+                                        lambda: multihost_utils.sync_global_devices("compare")))
     if leader:
       print(f"round {r + 1}/{args.rounds}: " + ", ".join(
           f"{name} {np.median(raw[name][-1]) * 1e3:.1f}" for name in methods) + " ms",
