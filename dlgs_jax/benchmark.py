@@ -76,6 +76,9 @@ def parse_args(argv=None):
                       help="distinct batches per worker, taken in turn by the repetitions")
   parser.add_argument("--out", help="JSON result (written by process 0)")
   parser.add_argument("--profile-out", help="measure a planner profile instead, write it here")
+  parser.add_argument("--profile-methods", default="",
+                      help="--profile-out: the methods whose update is timed (comma-separated; "
+                      "default every modelled method)")
   parser.add_argument("--overlap-out",
                       help="measure whether collectives overlap independent work instead "
                       "(profiler.measure_overlap), write the JSON here")
@@ -103,6 +106,7 @@ def main(argv=None) -> int:
   for name in ("batches", "steps", "batch_size"):
     if getattr(args, name) < 1:
       raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  profile_methods = check_profile_methods(args)
   if args.compare:
     check_compare(args)
   elif args.plans:
@@ -147,7 +151,8 @@ def main(argv=None) -> int:
         args.model, density=args.density, batch_size=args.batch_size,
         image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every, barrier=barrier,
         refresh_below=train.refresh_below(settings),
-        batches=(images[:, 0], labels[:, 0]))
+        batches=(images[:, 0], labels[:, 0]), **profile_methods,
+        progress=lambda message: leader and print(f"profile: {message}", flush=True))
     if leader:
       profile.save(args.profile_out)
       with open(args.profile_out + ".details.json", "w") as f:
@@ -311,6 +316,24 @@ def parse_plans(text: str) -> dict:
       raise SystemExit(f"--plans entries are METHOD=PLAN.json, got {item!r}")
     plans[method] = path
   return plans
+
+
+def check_profile_methods(args) -> dict:
+  """`profile_model`'s methods argument from --profile-methods ({} for its default)."""
+  if not args.profile_methods:
+    return {}
+  if not args.profile_out:
+    raise SystemExit(f"--profile-methods is for --profile-out; got --profile-methods "
+                     f"{args.profile_methods!r} without it")
+  from dlgs_jax.timeline import MODELLED
+
+  methods = args.profile_methods.split(",")
+  unknown = [m for m in methods if m not in MODELLED]
+  if unknown or len(set(methods)) != len(methods):
+    raise SystemExit(f"--profile-methods {args.profile_methods!r}: give distinct methods of "
+                     f"{', '.join(MODELLED)}" + (f" (unknown: {', '.join(unknown)})"
+                                                 if unknown else ""))
+  return {"methods": tuple(methods)}
 
 
 def check_compare(args) -> None:

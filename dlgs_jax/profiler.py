@@ -25,7 +25,12 @@
   and reuse steps are fitted apart and also amortised over its reuse period.
   Timing the selection alone misses the bookkeeping, which on CPU costs more
   than the selection (ResNet-50 DLGS: 0.89 s measured against 0.18 s of
-  selection).
+  selection). A program of its own also prices memory-bound updates above
+  what the train step pays for them (ResNet-50: the dense optimizer 53 ms
+  alone, 12 ms in the step), so each method's whole-model update is timed
+  inside the step too, in paired rounds with the gradients program
+  (`measure_update_in_step`), and its fitted cost is scaled to that where
+  the rounds resolve it (`in_step_factors`, `scale_update_costs`).
 * Refresh rate: how often DLGS's refresh rule recomputes a reused threshold
   depends on how gradients and residuals drift, so it is measured by training
   one worker for a few steps on real batches (`measure_refresh`).
@@ -408,7 +413,9 @@ def refit_profile(profile: Profile, details: dict) -> Profile:
   """`profile` with its update costs fitted again from the raw timings in `details`.
 
   For profiles measured before a change of the fitting rule (`fit_update`):
-  the raw timings are stored beside every profile (``details.json``).
+  the raw timings are stored beside every profile (``details.json``). Where
+  they hold in-step rounds (`measure_update_in_step`), the refitted costs are
+  scaled by the factors those give against them (`in_step_factors`).
 
   Raises:
     ValueError: `details` has no raw update timings.
@@ -417,7 +424,12 @@ def refit_profile(profile: Profile, details: dict) -> Profile:
   if not raw or "sizes" not in raw:
     raise ValueError("these details hold no raw update timings ('sparsify_raw'); "
                      "measure the profile again")
-  return dataclasses.replace(profile, sparsify=fit_update(raw, max(profile.sizes)))
+  sparsify = fit_update(raw, max(profile.sizes))
+  in_step_raw = details.get("update_in_step_raw")
+  if in_step_raw:
+    factors = in_step_factors(in_step_raw, whole_model_update(sparsify, profile.sizes))
+    sparsify = scale_update_costs(sparsify, factors, int(details.get("reuse_every", 10)))
+  return dataclasses.replace(profile, sparsify=sparsify)
 
 
 def training_optimizer(method: str, density: float, *, reuse_every: int = 10,
@@ -701,6 +713,226 @@ def train_locally(model: nn.Module, variables: dict, images: np.ndarray, labels:
   if "batch_stats" in variables:
     trained["batch_stats"] = batch_stats
   return jax.block_until_ready(trained)
+
+
+# ---------------------------------------------------------- update in step ---
+
+# Paired rounds of `measure_update_in_step`: each times the gradients program
+# and the gradients-plus-update program once.
+IN_STEP_ROUNDS = 12
+# The in-step update replaces the standalone one only where its confidence
+# interval is at most this share of the standalone time wide: on a model whose
+# update is a small part of the step (ResNet-20: the dense optimizer of 0.27M
+# values against ~70 ms of backward) the paired difference is noise, and
+# scaling by it made the predictions worse (experiments/README.md).
+IN_STEP_RESOLUTION = 0.5
+
+
+def measure_update_in_step(model: nn.Module, variables: dict, batches: tuple[np.ndarray, np.ndarray],
+                           density: float, order: Sequence[str], *,
+                           methods: Sequence[str] = UPDATE_METHODS, reuse_every: int = 10,
+                           warmup_steps: Optional[int] = None, rounds: int = IN_STEP_ROUNDS,
+                           barrier: Optional[Callable[[], Any]] = None) -> dict[str, dict]:
+  """Each method's whole-model update as one worker's train step pays it, in paired rounds.
+
+  Timed alone, a memory-bound update costs more than inside the step that
+  computes its gradients: on ResNet-50 (32x32, batch 8, one process) the dense
+  optimizer over 25.6M values took 53 ms alone and 12 ms inside the step, and
+  DLGS's reuse step 340 ms against 255 ms, while selections that sort cost
+  about the same (DLGS's exact step 1.45 s against 1.35 s). In a round this
+  times the gradients program (`training.batch_gradients`) and the program
+  the benchmark's `compress` runs -- those gradients, `method`'s local update
+  (``axis_name=None``, training's optimizer and rate) and the params update
+  -- once each, back to back on the same batch, their order alternating
+  between rounds; the difference of the pair is the update's cost in the
+  step. The two programs share the machine's drift within a round, which
+  separate medians do not (`in_step_factors` reads the differences).
+
+  Every method starts from `variables` and runs `warmup_steps` steps of the
+  with-update program on the batches in turn (residuals, momentum and
+  thresholds as training leaves them); each round then times both programs at
+  that one state, as `measure_update` does. Dense and DLGS send the model as
+  one message, the others as they always do. DLGS runs the fixed schedule and
+  is timed at the state before an exact step ("dlgs_exact") and before the
+  reuse step after it ("dlgs_reuse").
+
+  Args:
+    model: the Flax classifier.
+    variables: its variables ("params", maybe "batch_stats"), e.g. after
+      `train_locally`.
+    batches: (uint8 images [n, batch, H, W, C], int32 labels [n, batch]).
+    density: the methods' density.
+    order: the params' leaf paths in backward order.
+    methods: the methods to time.
+    reuse_every: DLGS reuse period.
+    warmup_steps: steps before the timed state (default `reuse_every`; DLGS
+      rounds it up to a multiple of `reuse_every`).
+    rounds: paired rounds per method (>= 1).
+    barrier: see `median_seconds`.
+
+  Returns:
+    Per timed key ("dlgs" split into "dlgs_exact" and "dlgs_reuse"):
+    ``{"compute": [seconds per round], "with_update": [seconds per round]}``.
+
+  Raises:
+    ValueError: `rounds` < 1, `warmup_steps` < 0 or `batches` holds no batch.
+  """
+  from dlgs_jax import train, training
+
+  if rounds < 1:
+    raise ValueError(f"rounds must be >= 1, got {rounds!r}")
+  warmup_steps = reuse_every if warmup_steps is None else warmup_steps
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+  if len(batches[0]) < 1 or len(batches[0]) != len(batches[1]):
+    raise ValueError(f"batches: need n >= 1 image and label batches, got "
+                     f"{len(batches[0])} and {len(batches[1])}")
+  inputs = [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(*batches)]
+  params = variables["params"]
+  batch_stats = variables.get("batch_stats", {})
+  order = list(order)
+
+  @jax.jit
+  def compute(p, x, y):
+    return training.batch_gradients(model, p, batch_stats, x, y)[0]
+
+  out: dict[str, dict] = {}
+  for method in methods:
+    settings = train.parse_args(["--method", method, "--density", str(density),
+                                 "--reuse-every", str(reuse_every), "--refresh-below", "none"])
+    tx = train.build_optimizer(settings, None, settings.lr,
+                               [order] if method in ("dense", "dlgs") else None, order)
+
+    with_update = _with_update_program(model, batch_stats, tx)
+    steps = (reuse_every * max(1, math.ceil(warmup_steps / reuse_every)) if method == "dlgs"
+             else warmup_steps)
+    p, s = params, tx.init(params)
+    for i in range(steps):
+      p, s = with_update(p, s, *inputs[i % len(inputs)])
+    states = {method: (p, s)}
+    if method == "dlgs":
+      states = {"dlgs_exact": (p, s),
+                "dlgs_reuse": with_update(p, s, *inputs[steps % len(inputs)])}
+    for key, (p, s) in jax.block_until_ready(states).items():
+      programs = {"compute": lambda x, y, p=p: compute(p, x, y),
+                  "with_update": lambda x, y, p=p, s=s: with_update(p, s, x, y)}
+      for program in programs.values():  # compilation
+        jax.block_until_ready(program(*inputs[0]))
+      times: dict[str, list] = {"compute": [], "with_update": []}
+      for r in range(rounds):
+        x, y = inputs[r % len(inputs)]
+        for name in (("compute", "with_update") if r % 2 == 0 else ("with_update", "compute")):
+          if barrier is not None:
+            barrier()
+          start = time.perf_counter()
+          jax.block_until_ready(programs[name](x, y))
+          times[name].append(time.perf_counter() - start)
+      out[key] = times
+  return out
+
+
+def _with_update_program(model: nn.Module, batch_stats: Any, tx: optax.GradientTransformation):
+  """The benchmark's `compress` program: gradients, `tx`'s update, the params update."""
+  from dlgs_jax import training
+
+  @jax.jit
+  def with_update(p, s, x, y):
+    updates, s = tx.update(training.batch_gradients(model, p, batch_stats, x, y)[0], s, p)
+    return optax.apply_updates(p, updates), s
+
+  return with_update
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95
+                    ) -> tuple[float, float, float]:
+  """The median of `values` and a distribution-free confidence interval for it.
+
+  The interval is between order statistics chosen from the binomial(n, 1/2)
+  distribution (the sign test's): with n values sorted (from 0),
+  ``[v_j, v_(n-1-j)]`` misses the median with probability ``2 P(X <= j)``,
+  X ~ binomial(n, 1/2); j is the largest for which that is at most
+  ``1 - confidence`` (12 values at 95%: j = 2), and 0 -- the whole range --
+  where even that is more.
+
+  Returns:
+    (median, lower, upper).
+  """
+  v = np.sort(np.asarray(values, np.float64))
+  n = len(v)
+  if n == 0:
+    raise ValueError("median_interval: no values")
+  j, below = 0, 1.0 / 2 ** n  # below: P(X <= j)
+  while j + 1 <= (n - 1) // 2:
+    wider = below + math.comb(n, j + 1) / 2 ** n
+    if 2 * wider > 1.0 - confidence:
+      break
+    j, below = j + 1, wider
+  return float(np.median(v)), float(v[j]), float(v[n - 1 - j])
+
+
+def in_step_factors(in_step: dict[str, dict], alone: dict[str, float],
+                    resolution: float = IN_STEP_RESOLUTION) -> dict[str, dict]:
+  """How much of each standalone update time the train step pays, where measured well enough.
+
+  Args:
+    in_step: `measure_update_in_step`'s rounds per key.
+    alone: per key, the standalone model's price of the same whole-model
+      update (seconds): the fitted cost of the message(s) the in-step program
+      sends.
+    resolution: the largest confidence interval, as a share of the
+      standalone time, that counts as resolved.
+
+  Returns:
+    Per key of both: ``{"in_step", "lower", "upper"}`` (median of the paired
+    differences and its 95% interval, seconds), ``"alone"``, ``"resolved"``
+    and ``"factor"``: ``max(in_step, 0) / alone`` where resolved, else 1.
+  """
+  factors = {}
+  for key, rounds in in_step.items():
+    if key not in alone:
+      continue
+    diffs = np.asarray(rounds["with_update"]) - np.asarray(rounds["compute"])
+    middle, lower, upper = median_interval(diffs)
+    base = float(alone[key])
+    resolved = base > 0 and (upper - lower) <= resolution * base
+    factors[key] = {"in_step": middle, "lower": lower, "upper": upper, "alone": base,
+                    "resolved": bool(resolved),
+                    "factor": max(middle, 0.0) / base if resolved else 1.0}
+  return factors
+
+
+def whole_model_update(costs: dict[str, LinearCost], sizes: Sequence[int]) -> dict[str, float]:
+  """Each update cost priced for the whole model as `measure_update_in_step` runs it.
+
+  `PER_LEAF_METHODS` pay their cost once per leaf; the others send the model
+  as one message.
+  """
+  total = int(sum(sizes))
+  return {key: (sum(cost(int(n)) for n in sizes) if key in PER_LEAF_METHODS else cost(total))
+          for key, cost in costs.items()}
+
+
+def scale_update_costs(costs: dict[str, LinearCost], factors: dict[str, dict],
+                       reuse_every: int) -> dict[str, LinearCost]:
+  """`costs` with each factor of `in_step_factors` applied to its key's cost.
+
+  DLGS's amortised cost is rebuilt from its scaled exact and reuse costs,
+  ``(exact + (reuse_every - 1) * reuse) / reuse_every``, as `measure_update`
+  mixes their timings (a least-squares line of the mix is the mix of the
+  lines, up to the fit's clipping at zero).
+  """
+  scaled = dict(costs)
+  for key, factor in factors.items():
+    if key in scaled:
+      f = factor["factor"]
+      scaled[key] = LinearCost(scaled[key].alpha * f, scaled[key].beta * f)
+  if "dlgs" in scaled and {"dlgs_exact", "dlgs_reuse"} & set(factors):
+    if {"dlgs_exact", "dlgs_reuse"} <= set(scaled):
+      exact, reuse = scaled["dlgs_exact"], scaled["dlgs_reuse"]
+      s = reuse_every
+      scaled["dlgs"] = LinearCost((exact.alpha + (s - 1) * reuse.alpha) / s,
+                                  (exact.beta + (s - 1) * reuse.beta) / s)
+  return scaled
 
 
 def measure_refresh(model: nn.Module, variables: dict, images: np.ndarray, labels: np.ndarray,
@@ -1036,6 +1268,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
                   refresh_below: Optional[float] = 0.5,
                   batches: Optional[tuple[np.ndarray, np.ndarray]] = None,
                   barrier: Optional[Callable[[], Any]] = None,
+                  in_step_rounds: int = IN_STEP_ROUNDS,
                   progress: Callable[[str], None] = lambda message: None) -> tuple[Profile, dict]:
   """Measures a full profile of model `name` on this machine.
 
@@ -1062,11 +1295,15 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
       `data.benchmark_batches` (real CIFAR-10 images at 32x32x3).
     barrier: see `median_seconds`; pass one when several processes profile
       together.
+    in_step_rounds: paired rounds per method of `measure_update_in_step`;
+      each update cost is scaled to what the train step pays for it where
+      those rounds resolve it (`in_step_factors`); 0 keeps the standalone
+      costs.
     progress: called with a message before each phase.
 
   Returns:
-    (profile, details) where details holds the raw measurements and the
-    backward-time check.
+    (profile, details) where details holds the raw measurements, the
+    backward-time check and the in-step factors ("update_in_step").
   """
   from dlgs_jax import data, models, training
 
@@ -1096,6 +1333,14 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   sparsify, sparsify_raw = measure_update(
       update_grid(compute["sizes"]), density, methods=methods, reuse_every=reuse_every,
       repeats=repeats, barrier=barrier, leaf_grads=leaf_grads)
+  in_step_raw, in_step = {}, {}
+  if in_step_rounds:
+    progress(f"timing the updates inside the step ({in_step_rounds} paired rounds each)")
+    in_step_raw = measure_update_in_step(model, trained, batches, density, compute["order"],
+                                         methods=methods, reuse_every=reuse_every,
+                                         rounds=in_step_rounds, barrier=barrier)
+    in_step = in_step_factors(in_step_raw, whole_model_update(sparsify, compute["sizes"]))
+    sparsify = scale_update_costs(sparsify, in_step, reuse_every)
   mesh = mesh or parallel.data_mesh()
   workers = int(mesh.devices.size)
   comm, comm_raw = {}, {}
@@ -1122,5 +1367,6 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
               f"input {shape}"))
   details = {key: compute[key] for key in
              ("backward_measured", "backward_sum_alone", "backward_difference", "totals_raw")}
-  details.update(sparsify_raw=sparsify_raw, comm_raw=comm_raw)
+  details.update(sparsify_raw=sparsify_raw, comm_raw=comm_raw, reuse_every=reuse_every,
+                 update_in_step_raw=in_step_raw, update_in_step=in_step)
   return profile, details

@@ -18,7 +18,10 @@ each method beat each other one.
 Dense and DLGS methods send the model as one message unless ``--plan-dir``
 holds `bench_cluster.py`'s plan for them (``plan_<model>_<method>_<density>.json``),
 which is what the optimal planner chooses on this cluster (collectives do not
-overlap computation there: `overlap_probe.py`). Writes
+overlap computation there: `overlap_probe.py`). With ``--profile`` each
+method's step predicted by the timeline model from that profile goes next to
+its measured median (``--measure-profile``: the profile is measured first, on
+the same cluster, in the same run). Writes
 ``compare_<model>_<density>.{json,md,png}`` under --out-dir. Needs root.
 """
 
@@ -50,6 +53,12 @@ def parse_args(argv=None):
   parser.add_argument("--steps", type=int, default=5, help="steps of each method per round")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--plan-dir", help="use bench_cluster.py's plans from this directory")
+  parser.add_argument("--profile",
+                      help="a planner profile (JSON) of this model on this cluster: each "
+                      "method's predicted step goes next to its measured one")
+  parser.add_argument("--measure-profile", action="store_true",
+                      help="measure --profile first, on the same cluster (the update timed for "
+                      "the compared methods only)")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "compare"))
   return parser.parse_args(argv)
 
@@ -79,13 +88,52 @@ def summarize(payload) -> list[dict]:
     rounds = np.asarray(m["round_medians"])
     ratio = ref / rounds
     faster, slower = int(np.sum(rounds < ref)), int(np.sum(rounds > ref))
+    predicted = payload.get("predicted", {}).get(name)
     rows.append({"method": name, "grouping": m["grouping"], "groups": m.get("groups"),
+                 "predicted": predicted["t_iter"] if predicted else None,
+                 "prediction_error": (predicted["t_iter"] / m["median"] - 1.0
+                                      if predicted else None),
                  "median": m["median"],
                  "round_min": float(rounds.min()), "round_max": float(rounds.max()),
                  "speedup": float(np.median(ratio)), "speedup_min": float(ratio.min()),
                  "speedup_max": float(ratio.max()), "bytes_sent": m["bytes_sent"],
                  "faster_than_reference": faster, "p_value": sign_test(faster, slower)})
   return rows
+
+
+def predictions(payload, profile, shapes, plans: dict) -> dict:
+  """The timeline model's step of every compared method that it models, as the comparison ran it.
+
+  Args:
+    payload: the comparison (its "methods" and "density").
+    profile: a `timeline.Profile` of the model on this cluster.
+    shapes: leaf path -> parameter shape.
+    plans: method -> `planner.Plan` the method ran with; dense and DLGS
+      methods without one sent the model as one message (the benchmark's
+      --compare), the others their fixed layout.
+
+  Returns:
+    method -> the predicted breakdown (`timeline.Timeline.breakdown`, seconds).
+  """
+  sys.path.insert(0, str(HERE))
+  from bench_cluster import GROUPING, PREDICTABLE, method_costs
+  from dlgs_jax import planner
+  from dlgs_jax.timeline import simulate
+
+  index = {path: i for i, path in enumerate(profile.paths)}
+  out = {}
+  for name in payload["methods"]:
+    if name not in PREDICTABLE:
+      continue
+    costs = method_costs(name, payload["density"], profile, shapes)
+    if name in plans:
+      groups = [[index[q] for q in g] for g in plans[name].groups]
+    elif GROUPING[name] == "optimal":
+      groups = [list(range(profile.num_layers))]
+    else:
+      groups = planner.PLANNER_FUNCTIONS[GROUPING[name]](profile, costs)
+    out[name] = simulate(profile, groups, costs).breakdown()
+  return out
 
 
 def wins(payload) -> dict:
@@ -98,11 +146,16 @@ def wins(payload) -> dict:
 def markdown(payload) -> str:
   methods = list(payload["methods"])
   rounds = payload["rounds"]
+  predicted = bool(payload.get("predicted"))
   lines = [f"| method | grouping | median step ms | round medians ms (min-max) | speedup vs "
            f"{methods[0]} (median, min-max over rounds) | rounds faster than {methods[0]} "
-           "| sign test p | MB sent/worker |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| sign test p | MB sent/worker |" + (" predicted ms | error |" if predicted else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|---|" if predicted else "")]
   for r in summarize(payload):
+    model = ""
+    if predicted:
+      model = (f" {r['predicted'] * 1e3:.1f} | {r['prediction_error'] * 100:+.0f}% |"
+               if r["predicted"] is not None else " - | - |")
     grouping = r["grouping"] + (f" ({r['groups']} group{'s' if r['groups'] > 1 else ''})"
                                 if r["groups"] else "")
     reference = r["method"] == methods[0]
@@ -112,7 +165,7 @@ def markdown(payload) -> str:
         f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
         f"{'-' if reference else r['faster_than_reference']} / {rounds} | "
         f"{'-' if reference else format(r['p_value'], '.2g')} | "
-        f"{r['bytes_sent'] / 1e6:.2f} |")
+        f"{r['bytes_sent'] / 1e6:.2f} |" + model)
   table = wins(payload)
   lines += ["", f"Rounds (of {rounds}) in which the row's method had the shorter median step "
             "than the column's:", "",
@@ -147,14 +200,22 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   methods = args.methods.split(",")
   from dlgs_jax import cluster, launch
+  from dlgs_jax.models import leaf_shapes
+  from dlgs_jax.planner import Plan
+  from dlgs_jax.timeline import MODELLED, Profile
   from dlgs_jax.train import variant
 
-  plans = []
+  if args.measure_profile and not args.profile:
+    raise SystemExit("--measure-profile writes the profile to --profile: give its path")
+  if args.profile and not args.measure_profile and not Path(args.profile).exists():
+    raise SystemExit(f"--profile {args.profile!r}: no such file (add --measure-profile to "
+                     "measure it on the cluster)")
+  plans = {}
   if args.plan_dir:
     for name in methods:
       path = Path(args.plan_dir) / f"plan_{args.model}_{name}_{args.density:g}.json"
       if path.exists() and variant(name)[0] in ("dense", "dlgs", "lags"):
-        plans.append(f"{name}={path}")
+        plans[name] = path
   reason = cluster.unavailable_reason()
   if reason:
     print(f"cannot build the emulated cluster: {reason}", file=sys.stderr)
@@ -165,28 +226,43 @@ def main(argv=None) -> int:
   raw = out / f"{stem}_raw.json"
   command = "python experiments/compare_cluster.py " + " ".join(
       sys.argv[1:] if argv is None else argv)
-  bench_args = ["--model", args.model, "--density", str(args.density), "--batch-size",
-                str(args.batch_size), "--compare", args.methods, "--rounds", str(args.rounds),
-                "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(raw)]
-  if args.image_size:
-    bench_args += ["--image-size", str(args.image_size)]
+  common = ["--model", args.model, "--density", str(args.density), "--batch-size",
+            str(args.batch_size)] + (["--image-size", str(args.image_size)]
+                                     if args.image_size else [])
+  bench_args = common + ["--compare", args.methods, "--rounds", str(args.rounds),
+                         "--steps", str(args.steps), "--warmup", str(args.warmup),
+                         "--out", str(raw)]
   if plans:
-    bench_args += ["--plans", ",".join(plans)]
+    bench_args += ["--plans", ",".join(f"{name}={path}" for name, path in plans.items())]
   started = time.time()
   with cluster.EmulatedCluster(args.workers, args.bandwidth) as c:
-    status = launch.launch(args.workers, bench_args, grace=5, module="dlgs_jax.benchmark",
-                           coordinator=c.coordinator(), wrap=c.wrap)
-  if status != 0:
-    print(f"the comparison failed with status {status}", file=sys.stderr)
-    return 1
+    def bench(extra, what):
+      status = launch.launch(args.workers, extra, grace=5, module="dlgs_jax.benchmark",
+                             coordinator=c.coordinator(), wrap=c.wrap)
+      if status != 0:
+        print(f"{what} failed with status {status}", file=sys.stderr)
+      return status
+
+    if args.measure_profile:
+      modelled = [m for m in MODELLED if m in {variant(n)[0] for n in methods}]
+      if bench(common + ["--profile-out", args.profile,
+                         "--profile-methods", ",".join(modelled)], "the profile"):
+        return 1
+    if bench(bench_args, "the comparison"):
+      return 1
   payload = json.loads(raw.read_text())
-  raw.unlink()
+  if args.profile:
+    profile = Profile.load(args.profile)
+    payload.update(profile=str(args.profile), predicted=predictions(
+        payload, profile, leaf_shapes(args.model, image_size=args.image_size),
+        {name: Plan.load(path) for name, path in plans.items()}))
   payload.update(bandwidth=args.bandwidth, command=command, seconds=time.time() - started,
                  summary=summarize(payload), wins=wins(payload))
   (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
   table = markdown(payload)
   (out / f"{stem}.md").write_text(table + "\n")
   plot(payload, out / f"{stem}.png")
+  raw.unlink()
   print(table)
   return 0
 

@@ -121,8 +121,13 @@ def test_benchmark_compares_methods_in_interleaved_rounds(tmp_path):
     (["--plans", "dense=p.json"], "--plans is for --compare"),
     (["--compare", "dense,dlgs", "--plan", "p.json"],
      "--compare takes its plans as --plans METHOD=PLAN.json, got --plan 'p.json'"),
+    (["--profile-methods", "dense"], "--profile-methods is for --profile-out"),
+    (["--profile-out", "p.json", "--profile-methods", "dense,fast"],
+     "--profile-methods 'dense,fast': give distinct methods of"),
+    (["--profile-out", "p.json", "--profile-methods", "lags,lags"],
+     "--profile-methods 'lags,lags': give distinct methods of"),
 ])
-def test_benchmark_rejects_bad_compare_settings(flags, message):
+def test_benchmark_rejects_bad_compare_and_profile_settings(flags, message):
   from dlgs_jax import benchmark
 
   # Checked before JAX's distributed runtime starts, so in this process.

@@ -258,3 +258,58 @@ def test_compare_cluster_pairs_each_round_with_the_reference(tmp_path):
   assert lines[-1] == "| dlgs | 3 | 3 | - |"
   compare.plot(payload, tmp_path / "compare.png")
   assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_cluster_predicts_each_method_as_the_comparison_ran_it(tmp_path):
+  compare = load("compare_cluster")
+  from dlgs_jax import planner
+  from dlgs_jax.timeline import LinearCost, Profile, simulate
+
+  paths = ["head/kernel", "head/bias", "conv/kernel"]  # backward order
+  shapes = {"head/kernel": (64, 10), "head/bias": (10,), "conv/kernel": (3, 3, 3, 64)}
+  profile = Profile(model="m", paths=paths, sizes=[640, 10, 1728], t_forward=0.01,
+                    t_backward=[0.002, 0.0, 0.004], workers=4, overlap=False,
+                    sparsify={m: LinearCost(1e-4, 1e-8) for m in ("dense", "dlgs", "lags")},
+                    comm={"allreduce": LinearCost(5e-3, 1e-8),
+                          "allgather": LinearCost(4e-3, 1e-8)})
+  payload = {"density": 0.1, "methods": {name: {} for name in
+                                         ("dense", "dlgs-paper", "lags", "dlgs-fancy")}}
+  plan = planner.make_plan(profile, "dense", 1.0, "wfbp")
+  predicted = compare.predictions(payload, profile, shapes, {"dense": plan})
+  # A method the model does not know gets no prediction.
+  assert set(predicted) == {"dense", "dlgs-paper", "lags"}
+  bench = load("bench_cluster")
+  costs = {name: bench.method_costs(name, 0.1, profile, shapes) for name in predicted}
+  # Dense ran its plan (one message per leaf here); DLGS without one sent one
+  # message; LAGS one message per leaf.
+  assert predicted["dense"]["t_iter"] == pytest.approx(
+      simulate(profile, [[0], [1], [2]], costs["dense"]).t_iter)
+  assert predicted["dlgs-paper"]["t_iter"] == pytest.approx(
+      simulate(profile, [[0, 1, 2]], costs["dlgs-paper"]).t_iter)
+  assert predicted["lags"]["t_iter"] == pytest.approx(
+      simulate(profile, [[0], [1], [2]], costs["lags"]).t_iter)
+  assert predicted["dense"]["t_iter"] > predicted["dlgs-paper"]["t_iter"]
+
+  rounds = {"dense": [0.05, 0.06], "dlgs-paper": [0.04, 0.05]}
+  table = {"model": "m", "density": 0.1, "workers": 4, "rounds": 2, "steps": 2,
+           "methods": {name: {"grouping": "one message", "groups": 1, "round_medians": r,
+                              "median": float(np.median(r)), "bytes_sent": 1e5}
+                       for name, r in rounds.items()},
+           "predicted": {"dense": {"t_iter": 0.0605}}}
+  rows = {r["method"]: r for r in compare.summarize(table)}
+  assert rows["dense"]["prediction_error"] == pytest.approx(0.0605 / 0.055 - 1)
+  assert rows["dlgs-paper"]["predicted"] is None
+  lines = compare.markdown(table).splitlines()
+  assert lines[0].endswith("| predicted ms | error |")
+  assert lines[2].endswith("| 60.5 | +10% |") and lines[3].endswith("| - | - |")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--measure-profile"], "--measure-profile writes the profile to --profile"),
+    (["--profile", "/nonexistent/profile.json"], "no such file (add --measure-profile"),
+])
+def test_compare_cluster_rejects_a_profile_it_cannot_use(flags, message):
+  compare = load("compare_cluster")
+  with pytest.raises(SystemExit) as exc:
+    compare.main(flags)
+  assert message in str(exc.value.code)

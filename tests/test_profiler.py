@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dlgs_jax
-from dlgs_jax import data, grouping, models, parallel, profiler
+from dlgs_jax import data, grouping, models, parallel, profiler, training
 from dlgs_jax.timeline import LinearCost, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,6 +421,104 @@ def test_refit_profile_redoes_the_update_fit_from_raw_timings():
     profiler.refit_profile(profile, {"comm_raw": {}})
 
 
+def test_median_interval_takes_the_sign_tests_order_statistics():
+  def reference_j(n, confidence=0.95):
+    # Largest j with 2 P(X <= j) <= 1 - confidence, X ~ binomial(n, 1/2); else 0.
+    best = 0
+    for j in range((n - 1) // 2 + 1):
+      if 2 * sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n <= 1 - confidence:
+        best = j
+    return best
+
+  rng = np.random.default_rng(0)
+  for n in (1, 2, 5, 8, 9, 12, 20, 41):
+    values = rng.standard_normal(n)
+    middle, lower, upper = profiler.median_interval(values)
+    ordered = np.sort(values)
+    j = reference_j(n)
+    assert middle == pytest.approx(np.median(values))
+    assert (lower, upper) == (ordered[j], ordered[n - 1 - j])
+  # The textbook cases: 12 values -> 3rd to 10th, 20 -> 6th to 15th; 8 -> the whole range.
+  assert profiler.median_interval(range(12))[1:] == (2.0, 9.0)
+  assert profiler.median_interval(range(20))[1:] == (5.0, 14.0)
+  assert profiler.median_interval(range(8))[1:] == (0.0, 7.0)
+  with pytest.raises(ValueError, match="no values"):
+    profiler.median_interval([])
+
+
+def test_in_step_factors_use_only_the_differences_the_rounds_resolve():
+  compute = [0.100, 0.130, 0.090, 0.110, 0.120, 0.100, 0.095, 0.140, 0.105, 0.100, 0.115, 0.125]
+  # A 40 ms update that costs 20 ms +- 1 ms in the step: resolved, factor 0.5.
+  steady = [c + 0.020 + 0.001 * (-1) ** i for i, c in enumerate(compute)]
+  # A 2 ms update under +-10 ms of noise: unresolved, kept as timed alone.
+  noisy = [c + 0.002 + 0.010 * (-1) ** i for i, c in enumerate(compute)]
+  factors = profiler.in_step_factors(
+      {"dense": {"compute": compute, "with_update": steady},
+       "lags": {"compute": compute, "with_update": noisy},
+       "topk": {"compute": compute, "with_update": steady}},
+      {"dense": 0.040, "lags": 0.002})
+  assert set(factors) == {"dense", "lags"}  # topk: no standalone price to scale
+  dense = factors["dense"]
+  assert dense["resolved"] and dense["factor"] == pytest.approx(0.020 / 0.040)
+  assert dense["in_step"] == pytest.approx(0.020) and dense["alone"] == 0.040
+  assert dense["lower"] == pytest.approx(0.019) and dense["upper"] == pytest.approx(0.021)
+  assert not factors["lags"]["resolved"] and factors["lags"]["factor"] == 1.0
+  # A resolved difference below zero prices the update at nothing, not below.
+  free = profiler.in_step_factors({"dense": {"compute": compute,
+                                             "with_update": [c - 0.001 for c in compute]}},
+                                  {"dense": 0.040})
+  assert free["dense"]["resolved"] and free["dense"]["factor"] == 0.0
+
+
+def test_scaled_update_costs_price_the_whole_model_as_the_step_measured_it():
+  sizes = [1000, 20_000, 300_000]
+  costs = {"dense": LinearCost(1e-4, 1e-8), "lags": LinearCost(2e-4, 3e-8),
+           "dlgs_exact": LinearCost(3e-4, 8e-8), "dlgs_reuse": LinearCost(1e-4, 2e-8),
+           "dlgs": LinearCost((3e-4 + 9 * 1e-4) / 10, (8e-8 + 9 * 2e-8) / 10),
+           "topk": LinearCost(1e-4, 5e-8)}
+  alone = profiler.whole_model_update(costs, sizes)
+  total = sum(sizes)
+  assert alone["dense"] == pytest.approx(1e-4 + 1e-8 * total)
+  # Per-leaf methods pay their cost once per leaf.
+  assert alone["lags"] == pytest.approx(3 * 2e-4 + 3e-8 * total)
+  measured = {"dense": 0.5 * alone["dense"], "lags": 0.8 * alone["lags"],
+              "dlgs_exact": 0.9 * alone["dlgs_exact"], "dlgs_reuse": 0.6 * alone["dlgs_reuse"]}
+  compute = [0.01] * 12
+  rounds = {k: {"compute": compute, "with_update": [c + v for c in compute]}
+            for k, v in measured.items()}
+  factors = profiler.in_step_factors(rounds, alone)
+  scaled = profiler.scale_update_costs(costs, factors, reuse_every=10)
+  again = profiler.whole_model_update(scaled, sizes)
+  for key, seconds in measured.items():
+    assert again[key] == pytest.approx(seconds)
+  assert scaled["topk"] == costs["topk"]
+  exact, reuse = scaled["dlgs_exact"], scaled["dlgs_reuse"]
+  assert scaled["dlgs"].alpha == pytest.approx((exact.alpha + 9 * reuse.alpha) / 10)
+  assert scaled["dlgs"].beta == pytest.approx((exact.beta + 9 * reuse.beta) / 10)
+  assert again["dlgs"] == pytest.approx((measured["dlgs_exact"] + 9 * measured["dlgs_reuse"]) / 10)
+
+
+def test_measure_update_in_step_pairs_the_step_with_and_without_the_update():
+  model, shape = models.create_model("smallcnn")
+  images, labels = data.benchmark_batches(shape, 10, 3, 1, 4)
+  variables = profiler.train_locally(model, training.init_variables(
+      model, jnp.zeros((1,) + shape), 0), images[:, 0], labels[:, 0], 2)
+  order = grouping.leaf_paths(variables["params"])
+  raw = profiler.measure_update_in_step(model, variables, (images[:, 0], labels[:, 0]), 0.05,
+                                        order, methods=("dlgs", "topk"), reuse_every=2,
+                                        rounds=3)
+  assert set(raw) == {"dlgs_exact", "dlgs_reuse", "topk"}
+  for rounds in raw.values():
+    assert len(rounds["compute"]) == len(rounds["with_update"]) == 3
+    assert all(t > 0 for t in rounds["compute"] + rounds["with_update"])
+  with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+    profiler.measure_update_in_step(model, variables, (images[:, 0], labels[:, 0]), 0.05, order,
+                                    rounds=0)
+  with pytest.raises(ValueError, match="need n >= 1 image and label batches, got 0 and 0"):
+    profiler.measure_update_in_step(model, variables, (images[:0, 0], labels[:0, 0]), 0.05,
+                                    order)
+
+
 def test_measure_refresh_counts_exact_thresholds_over_real_steps():
   model, shape = models.create_model("smallcnn")
   variables = model.init(jax.random.key(0), jnp.zeros((1,) + shape), train=False)
@@ -514,12 +612,19 @@ def test_profile_model_times_updates_on_the_models_real_gradients():
   images, labels = data.benchmark_batches(shape, 10, 2, 1, 4)
   profile, details = profiler.profile_model(
       "smallcnn", density=0.05, batch_size=4, mesh=parallel.data_mesh(1), repeats=1,
-      methods=("lags", "dense"), refresh_below=None, batches=(images[:, 0], labels[:, 0]))
+      methods=("lags", "dense"), refresh_below=None, batches=(images[:, 0], labels[:, 0]),
+      in_step_rounds=4)
   raw = details["sparsify_raw"]
   assert raw["values"] == "gradients" and raw["grouped"] == ["lags", "dense"]
   # The largest timed group is the whole model, in the profile's backward order.
   assert raw["group_sizes"][-1] == sum(profile.sizes)
   assert raw["group_leaves"][-1] == profile.num_layers
-  assert profile.sparsify["lags"] == profiler.fit_per_leaf(raw["group_leaves"],
-                                                           raw["group_sizes"], raw["lags"])
-  assert profile.sparsify["dense"] == profiler.fit_linear(raw["group_sizes"], raw["dense"])
+  fitted = {"lags": profiler.fit_per_leaf(raw["group_leaves"], raw["group_sizes"], raw["lags"]),
+            "dense": profiler.fit_linear(raw["group_sizes"], raw["dense"])}
+  # Then scaled to what the step pays, where the paired rounds resolve it.
+  factors = details["update_in_step"]
+  assert set(factors) == {"lags", "dense"}
+  assert [len(details["update_in_step_raw"]["lags"][k]) for k in ("compute", "with_update")] == [
+      4, 4]
+  assert profile.sparsify == profiler.scale_update_costs(fitted, factors, 10)
+  assert profiler.refit_profile(profile, details).sparsify == profile.sparsify
