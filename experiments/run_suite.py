@@ -58,6 +58,14 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                                             e + "results/cluster_resnet50", "--rounds", "8",
                                             "--steps", "2", "--warmup", "2", "--out-dir",
                                             e + "results/compare/resnet50_gtopk"]),
+        # Profile (update timed inside the step too) and paired run together: predictions
+        # next to measurements.
+        ("cluster_predict_resnet50_0.1", [e + "compare_cluster.py", "--model", "resnet50",
+                                          "--image-size", "32", "--density", "0.1", "--methods",
+                                          "dense,dlgs-paper,dgc,terngrad", "--rounds", "6",
+                                          "--steps", "2", "--warmup", "2", "--profile",
+                                          e + "results/compare/profile_resnet50_0.1.json",
+                                          "--measure-profile"]),
         ("accuracy", [e + "accuracy.py"]),
         ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
                            "--densities", "0.1", "--epochs", "60", "--out-dir",
