@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         image_size=args.image_size, mesh=mesh, reuse_every=args.reuse_every, barrier=barrier,
         refresh_below=train.refresh_below(settings),
         batches=(images[:, 0], labels[:, 0]), **profile_methods,
-        progress=lambda message: leader and print(f"profile: {message}", flush=True))
+        progress=report_profile if leader else lambda message: None)
     if leader:
       profile.save(args.profile_out)
       with open(args.profile_out + ".details.json", "w") as f:
@@ -316,6 +316,11 @@ def parse_plans(text: str) -> dict:
       raise SystemExit(f"--plans entries are METHOD=PLAN.json, got {item!r}")
     plans[method] = path
   return plans
+
+
+def report_profile(message: str) -> None:
+  """Prints a profile phase (`profile_model`'s progress), at once."""
+  print(f"profile: {message}", flush=True)
 
 
 def check_profile_methods(args) -> dict:

@@ -588,6 +588,11 @@ def warm_state(update: Callable, state: Any, batches: Sequence[Any], params: Any
   return jax.block_until_ready(state)
 
 
+def dlgs_warmup_steps(reuse_every: int, warmup_steps: int) -> int:
+  """The smallest multiple of `reuse_every` >= max(`warmup_steps`, 1): the next DLGS step is exact."""
+  return reuse_every * max(1, math.ceil(warmup_steps / reuse_every))
+
+
 def dlgs_timed_states(update: Callable, state: Any, batches: Sequence[Any], params: Any,
                       reuse_every: int, warmup_steps: int) -> tuple[Any, Any]:
   """The two DLGS states `measure_update` times: before an exact step, and before a reuse step.
@@ -600,7 +605,7 @@ def dlgs_timed_states(update: Callable, state: Any, batches: Sequence[Any], para
   Returns:
     (exact_state, reuse_state).
   """
-  steps = reuse_every * max(1, math.ceil(warmup_steps / reuse_every))
+  steps = dlgs_warmup_steps(reuse_every, warmup_steps)
   exact_state = warm_state(update, state, batches, params, steps)
   return exact_state, warm_state(update, exact_state, batches, params, 1, first=steps)
 
@@ -804,8 +809,7 @@ def measure_update_in_step(model: nn.Module, variables: dict, batches: tuple[np.
                                [order] if method in ("dense", "dlgs") else None, order)
 
     with_update = _with_update_program(model, batch_stats, tx)
-    steps = (reuse_every * max(1, math.ceil(warmup_steps / reuse_every)) if method == "dlgs"
-             else warmup_steps)
+    steps = dlgs_warmup_steps(reuse_every, warmup_steps) if method == "dlgs" else warmup_steps
     p, s = params, tx.init(params)
     for i in range(steps):
       p, s = with_update(p, s, *inputs[i % len(inputs)])

@@ -115,7 +115,8 @@ def predictions(payload, profile, shapes, plans: dict) -> dict:
   Returns:
     method -> the predicted breakdown (`timeline.Timeline.breakdown`, seconds).
   """
-  sys.path.insert(0, str(HERE))
+  if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
   from bench_cluster import GROUPING, PREDICTABLE, method_costs
   from dlgs_jax import planner
   from dlgs_jax.timeline import simulate
