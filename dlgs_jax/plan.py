@@ -36,6 +36,9 @@ def parse_args(argv=None):
                       help="DLGS refresh rule, as in dlgs-train ('none': the paper's schedule); "
                       "with the rule on, DLGS is priced at the refresh rate the profile measured")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--in-step-rounds", type=int, default=None,
+                      help="paired rounds timing each update inside the train step "
+                           "(default: profiler.IN_STEP_ROUNDS; 0 keeps the standalone costs)")
   parser.add_argument("--out-dir", default="runs/plan")
   return parser.parse_args(argv)
 
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
     raise SystemExit(f"unknown --method {args.method!r}; choose from {timeline.METHODS}")
   if args.planner not in planner.PLANNERS:
     raise SystemExit(f"unknown --planner {args.planner!r}; choose from {planner.PLANNERS}")
+  if args.in_step_rounds is not None and args.in_step_rounds < 0:
+    raise SystemExit(f"--in-step-rounds must be >= 0, got {args.in_step_rounds}")
   try:
     refresh = parse_refresh_below(args.refresh_below)
   except ValueError as e:
@@ -71,6 +76,8 @@ def main(argv=None) -> int:
     profile, details = profiler.profile_model(
         args.model, density=args.density, batch_size=args.batch_size,
         image_size=args.image_size, reuse_every=args.reuse_every, repeats=args.repeats,
+        in_step_rounds=(profiler.IN_STEP_ROUNDS if args.in_step_rounds is None
+                        else args.in_step_rounds),
         methods=tuple(dict.fromkeys((args.method, "dense"))),
         refresh_below=refresh if args.method == "dlgs" else None,
         progress=lambda m: print("  " + m, flush=True))
