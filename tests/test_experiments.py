@@ -225,6 +225,29 @@ def test_overlap_probe_tables_and_plots_what_the_workers_measured(tmp_path):
   assert (tmp_path / "overlap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_latency_probe_rows_are_the_profiles_marginal_latency(capsys):
+  probe = load("latency_probe")
+  latency = {"allreduce": {"bytes": 16384, "lone": 0.010, "chained": 0.080, "chain": 8},
+             "allgather": {"bytes": 4920, "lone": 0.004, "chained": 0.053, "chain": 8},
+             "gtopk": {"bytes": 8000, "lone": 0.015, "chained": 0.113, "chain": 8}}
+  rows = probe.latency_rows(latency, 1)
+  assert [(r["kind"], r["chain"], r["pass"]) for r in rows] == [
+      ("allreduce", 8, 1), ("allgather", 8, 1), ("gtopk", 8, 1)]
+  assert [r["marginal"] for r in rows] == pytest.approx([0.010, 0.007, 0.014])
+  rows += probe.latency_rows({k: dict(v, chain=32, chained=v["lone"] + 31 * 0.005)
+                              for k, v in latency.items()}, 0)
+  lines = probe.markdown(rows, [8, 32]).splitlines()
+  assert len(lines) == 4
+  assert [c.strip() for c in lines[2].strip("|").split("|")] == [
+      "8", "10.00", "7.00", "14.00", "10.00", "4.00", "15.00"]
+  assert [c.strip() for c in lines[3].strip("|").split("|")][:4] == ["32", "5.00", "5.00", "5.00"]
+  for bad, named in ((["--chains", "8,x"], "'8,x'"), (["--chains", "1,8"], "'1,8'"),
+                     (["--passes", "0"], ", 0")):
+    with pytest.raises(SystemExit):
+      probe.parse_args(bad)
+    assert named in capsys.readouterr().err
+
+
 def test_compare_cluster_pairs_each_round_with_the_reference(tmp_path):
   compare = load("compare_cluster")
   # Three rounds; the machine slows down in round 2 for every method alike.
