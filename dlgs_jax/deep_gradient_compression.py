@@ -224,7 +224,7 @@ def dgc(
     dense_layout = (engine.make_layout([grads[i] for i in dense], None, None, single_group=True)
                     if dense else None)
 
-    def communicate(_):
+    def communicate():
       g = grads
       if clip_norm is not None:
         norm = jnp.sqrt(sum(jnp.sum(x * x) for x in g))
@@ -282,7 +282,7 @@ def dgc(
                         jnp.concatenate(passed), state.stats.skipped, jnp.zeros((), jnp.int32))
       return _as_varying((means, new_u, new_v, stats, state.count + 1), axis_name)
 
-    def skip(_):
+    def skip():
       means = [jnp.zeros(g.shape, jnp.float32) for g in grads]
       stats = empty_stats(num_groups(sparse, dense))._replace(skipped=state.stats.skipped + 1)
       return _as_varying((means, list(velocity), list(residuals), stats, state.count), axis_name)

@@ -92,7 +92,7 @@ def terngrad(
     grads = [g.astype(jnp.float32) for g in jax.tree_util.tree_leaves(updates)]
     workers = collectives.num_workers(axis_name)
 
-    def communicate(_):
+    def communicate():
       clipped = [_clip(g, clip) for g in grads]
       scalers = jnp.stack([jnp.max(jnp.abs(g)) for g in clipped])
       if axis_name is not None:
@@ -123,7 +123,7 @@ def terngrad(
                         jnp.zeros((), jnp.int32))
       return _as_varying((means, stats, state.count + 1), axis_name)
 
-    def skip(_):
+    def skip():
       means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
       stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
       return _as_varying((means, stats, state.count), axis_name)

@@ -93,9 +93,9 @@ def _all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
 
 def _unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name,
                       communicate, skip):
-  """``communicate(None)`` if every worker's `grads` are finite, else ``skip(None)``.
+  """``communicate()`` if every worker's `grads` are finite, else ``skip()``.
 
-  With `skip_nonfinite` False: ``communicate(None)``, no check.
+  With `skip_nonfinite` False: ``communicate()``, no check.
 
   Both run, and the flag selects between their results leaf by leaf (as
   `optax.apply_if_finite` does), rather than a `lax.cond` running one of them:
@@ -112,14 +112,14 @@ def _unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_nam
     skip_nonfinite: the transform's setting of that name.
     grads: this worker's gradient leaves.
     axis_name: the data axis (None: one worker).
-    communicate, skip: functions of one ignored argument returning pytrees of
-      equal structure, shapes and dtypes.
+    communicate, skip: functions of no argument returning pytrees of equal
+      structure, shapes and dtypes.
   """
   if not skip_nonfinite:
-    return communicate(None)
+    return communicate()
   finite = _all_finite(grads, axis_name)
   return jax.tree_util.tree_map(lambda sent, kept: jnp.where(finite, sent, kept),
-                                communicate(None), skip(None))
+                                communicate(), skip())
 
 
 def _as_varying(tree, axis_name):
@@ -186,7 +186,7 @@ def _sparse_transform(
     old_thresholds = (jax.tree_util.tree_leaves(state.thresholds)
                       if with_thresholds else None)
 
-    def communicate(_):
+    def communicate():
       thresholds, packed, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
       if with_thresholds:
         thresholds, packed, exact = engine.step_thresholds(
@@ -197,7 +197,7 @@ def _sparse_transform(
       stats = CommStats(sent, received, selected, passed, state.stats.skipped, exact)
       return _as_varying((means, residuals, thresholds, stats, state.count + 1), axis_name)
 
-    def skip(_):
+    def skip():
       means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
       stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
       return _as_varying(
@@ -390,14 +390,14 @@ def dense(
     grads = jax.tree_util.tree_leaves(updates)
     num_groups = len(layout.groups)
 
-    def communicate(_):
+    def communicate():
       means, sent, received = engine.dense_exchange(layout, grads, axis_name=axis_name)
       sizes = jnp.asarray([layout.group_size(g) for g in range(num_groups)], jnp.int32)
       stats = CommStats(sent, received, sizes, sizes, state.stats.skipped,
                         jnp.zeros((), jnp.int32))
       return _as_varying((means, stats, state.count + 1), axis_name)
 
-    def skip(_):
+    def skip():
       means = [jnp.zeros_like(g) for g in grads]
       stats = empty_stats(num_groups)._replace(skipped=state.stats.skipped + 1)
       return _as_varying((means, stats, state.count), axis_name)
