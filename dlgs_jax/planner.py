@@ -178,6 +178,21 @@ class Plan:
     with open(path) as f:
       return cls.from_json(f.read())
 
+  def group_indices(self, paths: Sequence[str]) -> list[list[int]]:
+    """The groups as positions in `paths` (e.g. a profile's backward order).
+
+    Args:
+      paths: leaf paths, each plan leaf among them.
+
+    Returns:
+      One list of indices into `paths` per group, in the plan's order.
+    """
+    index = {path: i for i, path in enumerate(paths)}
+    missing = [p for g in self.groups for p in g if p not in index]
+    if missing:
+      raise ValueError(f"plan leaves not in these paths: {missing[:5]}")
+    return [[index[p] for p in g] for g in self.groups]
+
   def check_compatible(self, *, paths: Sequence[str], workers: int,
                        model: Optional[str] = None) -> None:
     """Raises ValueError unless the plan was made for these leaves and worker count."""

@@ -166,8 +166,7 @@ def main(argv=None) -> int:
             planned = base in ("dense", "dlgs")
             if planned and args.predict_only:
               # Predict the grouping that was measured, not a new plan.
-              index = {path: i for i, path in enumerate(profile.paths)}
-              groups = [[index[q] for q in g] for g in planner.Plan.load(plan_path).groups]
+              groups = planner.Plan.load(plan_path).group_indices(profile.paths)
             else:
               groups = planner.PLANNER_FUNCTIONS[how](profile, costs)
             predicted = simulate(profile, groups, costs).breakdown()

@@ -121,14 +121,13 @@ def predictions(payload, profile, shapes, plans: dict) -> dict:
   from dlgs_jax import planner
   from dlgs_jax.timeline import simulate
 
-  index = {path: i for i, path in enumerate(profile.paths)}
   out = {}
   for name in payload["methods"]:
     if name not in PREDICTABLE:
       continue
     costs = method_costs(name, payload["density"], profile, shapes)
     if name in plans:
-      groups = [[index[q] for q in g] for g in plans[name].groups]
+      groups = plans[name].group_indices(profile.paths)
     elif GROUPING[name] == "optimal":
       groups = [list(range(profile.num_layers))]
     else:

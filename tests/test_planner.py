@@ -104,6 +104,14 @@ def test_plan_json_round_trip_and_checks(tmp_path):
     loaded.check_compatible(paths=profile.paths, workers=8, model="resnet20")
   with pytest.raises(ValueError, match="does not match"):
     loaded.check_compatible(paths=profile.paths[:-1] + ("other",), workers=8)
+  # Groups as positions: in the profile's order and in any other.
+  indices = loaded.group_indices(profile.paths)
+  assert [[profile.paths[i] for i in g] for g in indices] == loaded.groups
+  assert sorted(i for g in indices for i in g) == list(range(len(profile.paths)))
+  backwards = list(reversed(profile.paths))
+  assert [[backwards[i] for i in g] for g in loaded.group_indices(backwards)] == loaded.groups
+  with pytest.raises(ValueError, match=repr(profile.paths[-1])):
+    loaded.group_indices(profile.paths[:-1])
 
 
 def test_make_plan_bad_input():
