@@ -82,6 +82,15 @@ def unavailable_reason(install: bool = True) -> Optional[str]:
   return None
 
 
+def exit_if_unavailable() -> None:
+  """For the cluster scripts: exits with status 2, the reason on stderr, when
+  `unavailable_reason` names one."""
+  reason = unavailable_reason()
+  if reason:
+    print(f"cannot build the emulated cluster: {reason}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _existing_namespaces() -> set[str]:
   listing = _run("ip", "netns", "list", check=False).stdout
   return {line.split()[0] for line in listing.splitlines() if line.strip()}

@@ -110,10 +110,7 @@ def main(argv=None) -> int:
   from dlgs_jax.models import leaf_shapes
   from dlgs_jax.timeline import Profile, simulate
 
-  reason = cluster.unavailable_reason()
-  if reason:
-    print(f"cannot build the emulated cluster: {reason}", file=sys.stderr)
-    return 2
+  cluster.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   models = args.models.split(",")

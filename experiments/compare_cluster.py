@@ -216,10 +216,7 @@ def main(argv=None) -> int:
       path = Path(args.plan_dir) / f"plan_{args.model}_{name}_{args.density:g}.json"
       if path.exists() and variant(name)[0] in ("dense", "dlgs", "lags"):
         plans[name] = path
-  reason = cluster.unavailable_reason()
-  if reason:
-    print(f"cannot build the emulated cluster: {reason}", file=sys.stderr)
-    return 2
+  cluster.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   stem = f"compare_{args.model}_{args.density:g}"

@@ -98,10 +98,7 @@ def main(argv=None) -> int:
     return worker(args)
   from dlgs_jax import cluster, launch
 
-  reason = cluster.unavailable_reason()
-  if reason:
-    print(f"cannot build the emulated cluster: {reason}", file=sys.stderr)
-    return 2
+  cluster.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   raw = out / "latency_raw.json"

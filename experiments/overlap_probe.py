@@ -100,10 +100,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   from dlgs_jax import cluster, launch
 
-  reason = cluster.unavailable_reason()
-  if reason:
-    print(f"cannot build the emulated cluster: {reason}", file=sys.stderr)
-    return 2
+  cluster.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   raw = out / "overlap_raw.json"

@@ -129,9 +129,14 @@ def test_two_workers_train_over_the_shaped_network(tmp_path):
   assert "cluster" in result.stdout and "10." in result.stdout
 
 
-def test_unavailable_reason_is_explained_when_not_root(monkeypatch):
+def test_unavailable_reason_is_explained_when_not_root(monkeypatch, capsys):
   monkeypatch.setattr(os, "geteuid", lambda: 1000)
   assert "root" in cluster.unavailable_reason(install=False)
+  # The cluster scripts stop at once, with that reason and status 2.
+  with pytest.raises(SystemExit) as stopped:
+    cluster.exit_if_unavailable()
+  assert stopped.value.code == 2
+  assert "cannot build the emulated cluster" in capsys.readouterr().err
 
 
 def test_workers_are_pinned_to_their_share_of_the_cores_unless_told_not_to():
