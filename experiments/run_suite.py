@@ -67,6 +67,11 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                                           "--steps", "2", "--warmup", "2", "--profile",
                                           e + "results/compare/profile_resnet50_0.1.json",
                                           "--measure-profile"]),
+        ("cluster_predict_resnet20_perleaf", [
+            e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01", "--methods",
+            "dense,lags,dgc,terngrad", "--rounds", "6", "--steps", "3", "--warmup", "1",
+            "--profile", e + "results/compare/resnet20_perleaf/profile_resnet20_0.01.json",
+            "--measure-profile", "--out-dir", e + "results/compare/resnet20_perleaf"]),
         ("accuracy", [e + "accuracy.py"]),
         ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
                            "--densities", "0.1", "--epochs", "60", "--out-dir",
