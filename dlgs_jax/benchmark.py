@@ -2,7 +2,7 @@
 
 Run one copy per process (e.g. by `dlgs_jax.cluster` or ``dlgs-launch
 --module dlgs_jax.benchmark``). Every process times, in lockstep (a barrier
-before each repetition), four jitted programs:
+before each repetition), five jitted programs:
 
 * ``compute``  -- forward + backward on the local batch;
 * ``compress`` -- compute + the method's update with ``axis_name=None`` and
@@ -11,9 +11,11 @@ before each repetition), four jitted programs:
 * ``exchange`` -- the method's update and the params update inside
   ``shard_map`` on fixed gradients: selection + collectives, no
   forward/backward;
+* ``update``   -- the same update on the same gradients and state with
+  ``axis_name=None``: ``exchange`` without its collectives;
 * ``step``     -- the real training step (compute, selection, collectives).
 
-The step is timed first, from initialisation; the three others then run at
+The step is timed first, from initialisation; the four others then run at
 the params and optimizer state the timed steps left (``compress`` moves its
 own copy of the params on, as training does): at initialisation ResNets'
 gradients are mostly exact zeros, which makes selections cheaper than in
@@ -26,8 +28,13 @@ records how many leaves DLGS computed exact thresholds for per step.
 
 Breakdown (medians): compute; sparsification = compress - compute;
 non-overlapped communication = step - compress; communication alone =
-exchange - (compress - compute); overlap = communication alone - non-overlapped
-(how much of the collectives XLA hid behind the backward pass).
+exchange - update (the two programs differ only by the collectives; before,
+exchange - (compress - compute), which also counted what the update costs
+differently fused with the backward pass); overlap = communication alone -
+non-overlapped (how much of the collectives XLA hid behind the backward pass).
+When the collectives are latency-bound and the update is long, "communication
+alone" can be far below the collectives' own latency: the runtime ran them
+under the update of the leaves after them (see experiments/README.md).
 
 With ``--compare dense,topk,dlgs-paper,...`` it instead times only the train
 steps of several methods in one job, interleaved: ``--rounds`` rounds, each
@@ -51,6 +58,9 @@ import json
 import os
 import sys
 import time
+
+# The programs every process times, in the order of ``per_process_median``'s columns.
+PROGRAMS = ("compute", "compress", "exchange", "update", "step")
 
 
 def parse_args(argv=None):
@@ -231,7 +241,10 @@ def main(argv=None) -> int:
 
   exchange_fn = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("data"), P("data"), P()),
                                       out_specs=(P(), P("data")), check_vma=False))
-  holder.update(local_params=params, local=tx_local.init(params))
+  # Committed to the device like compress's outputs: an uncommitted initial state
+  # compiles compress a second time, inside the first timed repetition.
+  holder.update(local_params=params,
+                local=jax.device_put(tx_local.init(params), jax.local_devices()[0]))
 
   def run_compress():
     i = next_batch()
@@ -247,21 +260,37 @@ def main(argv=None) -> int:
   raw["compress"] = timed(run_compress)
   raw["exchange"] = timed(lambda: exchange_fn(grads_fixed, holder["state"].opt_state,
                                               holder["state"].params))
+  # exchange's inputs on this process's first worker, updated without collectives:
+  # the difference between the two programs is the collectives alone.
+  def first_worker(tree):
+    return jax.device_put(jax.tree_util.tree_map(lambda x: x[0], parallel.fetch(tree)),
+                          jax.local_devices()[0])
+
+  grads_local, state_local = first_worker(grads_fixed), first_worker(holder["state"].opt_state)
+
+  @jax.jit
+  def update_fn(g, s, p):
+    u, s = tx_local.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  raw["update"] = timed(lambda: update_fn(grads_local, state_local, params))
   stats = dlgs_jax.stats_summary(parallel.fetch(dlgs_jax.comm_stats(holder["state"].opt_state)))
   med = {k: float(np.median(v)) for k, v in raw.items()}
   # Every process's medians, so the slowest worker is visible too.
   all_med = np.asarray(multihost_utils.process_allgather(
-      np.asarray([med[k] for k in ("compute", "compress", "exchange", "step")], np.float32)))
+      np.asarray([med[k] for k in PROGRAMS], np.float32)))
   result = {
       "model": args.model, "method": args.method, "density": args.density,
       "workers": workers, "batch_size": args.batch_size, "image_shape": list(shape),
       "plan_groups": len(plan.groups) if plan else None,
-      "median": med, "per_process_median": all_med.reshape(-1, 4).tolist(),
+      "median": med, "per_process_median": all_med.reshape(-1, len(PROGRAMS)).tolist(),
+      "per_process_programs": list(PROGRAMS),
       "breakdown": {
           "compute": med["compute"],
           "sparsify": max(med["compress"] - med["compute"], 0.0),
           "comm_exposed": max(med["step"] - med["compress"], 0.0),
-          "comm_alone": max(med["exchange"] - (med["compress"] - med["compute"]), 0.0),
+          "comm_alone": max(med["exchange"] - med["update"], 0.0),
+          "update": med["update"],
       },
       "bytes_sent": stats["bytes_sent"], "selected": stats["selected"],
       # DLGS: leaves whose threshold was computed exactly, mean over the timed

@@ -27,9 +27,16 @@ def test_benchmark_on_two_processes_writes_a_consistent_breakdown(tmp_path):
   result = json.loads(out.read_text())
   assert result["workers"] == 2 and result["method"] == "dlgs"
   assert len(result["per_process_median"]) == 2
-  for program in ("compute", "compress", "exchange", "step"):
+  assert result["per_process_programs"] == ["compute", "compress", "exchange", "update", "step"]
+  for program in result["per_process_programs"]:
     assert len(result["raw"][program]) == 3 and all(t > 0 for t in result["raw"][program])
   med, parts = result["median"], result["breakdown"]
+  # Process 0's row of the gathered medians is its own medians, in the named order.
+  assert result["per_process_median"][0] == pytest.approx(
+      [med[k] for k in result["per_process_programs"]], rel=1e-6)
+  # The collectives alone: the exchange program minus the same update without them.
+  assert parts["comm_alone"] == pytest.approx(max(med["exchange"] - med["update"], 0.0))
+  assert parts["update"] == med["update"]
   assert parts["sparsify"] == pytest.approx(max(med["compress"] - med["compute"], 0.0))
   assert parts["comm_exposed"] == pytest.approx(max(med["step"] - med["compress"], 0.0))
   assert parts["overlap"] == pytest.approx(parts["comm_alone"] - parts["comm_exposed"])
