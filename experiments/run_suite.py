@@ -72,6 +72,10 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
             "dense,lags,dgc,terngrad", "--rounds", "6", "--steps", "3", "--warmup", "1",
             "--profile", e + "results/compare/resnet20_perleaf/profile_resnet20_0.01.json",
             "--measure-profile", "--out-dir", e + "results/compare/resnet20_perleaf"]),
+        ("cluster_update_program_resnet50", [
+            e + "bench_cluster.py", "--models", "resnet50", "--image-size", "32", "--densities",
+            "0.1", "--methods", "terngrad,dgc", "--steps", "5", "--warmup", "1",
+            "--keep-profiles", "--out-dir", e + "results/compare/resnet50_update_program"]),
         ("accuracy", [e + "accuracy.py"]),
         ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
                            "--densities", "0.1", "--epochs", "60", "--out-dir",
