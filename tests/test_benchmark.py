@@ -22,8 +22,14 @@ def test_benchmark_on_two_processes_writes_a_consistent_breakdown(tmp_path):
       [sys.executable, "-m", "dlgs_jax.launch", "--nproc", "2", "--module", "dlgs_jax.benchmark",
        "--", "--model", "smallcnn", "--method", "dlgs", "--density", "0.1", "--steps", "3",
        "--warmup", "1", "--batches", "2", "--batch-size", "4", "--out", str(out)],
-      env=child_env(), capture_output=True, text=True, timeout=600)
+      env=child_env(JAX_LOG_COMPILES="1"), capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+  # One warm-up call compiles each program; a timed repetition never does (an
+  # uncommitted initial state once made compress compile again inside the first).
+  log = done.stdout + done.stderr
+  for rank in (0, 1):
+    for program in ("compress_fn", "update_fn"):
+      assert log.count(f"[{rank}] Compiling jit({program})") == 1, (rank, program)
   result = json.loads(out.read_text())
   assert result["workers"] == 2 and result["method"] == "dlgs"
   assert len(result["per_process_median"]) == 2
