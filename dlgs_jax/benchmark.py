@@ -233,7 +233,9 @@ def main(argv=None) -> int:
     updates, s = tx_local.update(grad_fn(p, x, y), s, p)
     return optax.apply_updates(p, updates), s
 
-  grads_fixed = parallel.stack_per_worker(grad_fn(params, xs[0], ys[0]), mesh)
+  # Every worker exchanges the same gradients; `update` takes them unstacked.
+  grads_one = grad_fn(params, xs[0], ys[0])
+  grads_fixed = parallel.stack_per_worker(grads_one, mesh)
 
   def exchange(g, s, p):
     # The params update too, as in compress: their difference is the collectives.
@@ -261,20 +263,17 @@ def main(argv=None) -> int:
   raw["compress"] = timed(run_compress)
   raw["exchange"] = timed(lambda: exchange_fn(grads_fixed, holder["state"].opt_state,
                                               holder["state"].params))
-  # exchange's inputs on this process's first worker, updated without collectives:
-  # the difference between the two programs is the collectives alone.
-  def first_worker(tree):
-    return jax.device_put(jax.tree_util.tree_map(lambda x: x[0], parallel.fetch(tree)),
-                          jax.local_devices()[0])
-
-  grads_local, state_local = first_worker(grads_fixed), first_worker(holder["state"].opt_state)
+  # exchange's inputs as this process's first worker holds them, updated without
+  # collectives: the difference between the two programs is the collectives alone.
+  state_local = jax.device_put(jax.tree_util.tree_map(
+      lambda x: x[0], parallel.fetch(holder["state"].opt_state)), jax.local_devices()[0])
 
   @jax.jit
   def update_fn(g, s, p):
     u, s = tx_local.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  raw["update"] = timed(lambda: update_fn(grads_local, state_local, params))
+  raw["update"] = timed(lambda: update_fn(grads_one, state_local, params))
   stats = dlgs_jax.stats_summary(parallel.fetch(dlgs_jax.comm_stats(holder["state"].opt_state)))
   med = {k: float(np.median(v)) for k, v in raw.items()}
   # Every process's medians, so the slowest worker is visible too.
