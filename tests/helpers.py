@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 from pathlib import Path
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dlgs_jax import parallel
+from dlgs_jax import data, parallel
 
 
 def worker_mesh(workers: int):
@@ -102,3 +103,23 @@ def run_group(commands_envs, timeout=400) -> list[str]:
 def params_shas(output: str) -> dict[int, str]:
   """Process index -> params SHA-256 from the lines dlgs-train prints at the end."""
   return {int(m.group(1)): m.group(2) for m in _SHA_LINE.finditer(output)}
+
+
+# ------------------------------------------------------------- datasets ---
+
+def write_cifar_dir(root, per_batch=12, seed=0, labels_fn=None):
+  """A miniature directory in the official CIFAR-10 python format."""
+  rng = np.random.default_rng(seed)
+  folder = root / "cifar-10-batches-py"
+  folder.mkdir(parents=True)
+  written = {}
+  for name in data.CIFAR10_TRAIN_FILES + (data.CIFAR10_TEST_FILE,):
+    raw = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+    labels = [int(x) for x in rng.integers(0, 10, per_batch)]
+    if labels_fn is not None:
+      labels = labels_fn(name, labels)
+    with open(folder / name, "wb") as f:
+      pickle.dump({b"batch_label": name.encode(), b"labels": labels, b"data": raw,
+                   b"filenames": [b"x.png"] * per_batch}, f)
+    written[name] = (raw, labels)
+  return folder, written

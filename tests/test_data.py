@@ -6,24 +6,7 @@ import pytest
 from PIL import Image
 
 from dlgs_jax import data
-
-
-def write_cifar_dir(root, per_batch=12, seed=0, labels_fn=None):
-  """A miniature directory in the official CIFAR-10 python format."""
-  rng = np.random.default_rng(seed)
-  folder = root / "cifar-10-batches-py"
-  folder.mkdir(parents=True)
-  written = {}
-  for name in data.CIFAR10_TRAIN_FILES + (data.CIFAR10_TEST_FILE,):
-    raw = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
-    labels = [int(x) for x in rng.integers(0, 10, per_batch)]
-    if labels_fn is not None:
-      labels = labels_fn(name, labels)
-    with open(folder / name, "wb") as f:
-      pickle.dump({b"batch_label": name.encode(), b"labels": labels, b"data": raw,
-                   b"filenames": [b"x.png"] * per_batch}, f)
-    written[name] = (raw, labels)
-  return folder, written
+from tests.helpers import write_cifar_dir
 
 
 def test_embedded_subset_is_real_cifar10():

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import child_env
+from helpers import child_env, write_cifar_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,14 +88,20 @@ def test_bench_cluster_refit_needs_kept_profiles():
 
 
 def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
+  # Full CIFAR-10's format through --data-dir, in miniature (320 train / 64 test
+  # images: 5 steps an epoch), so that four trainings stay quick.
+  cifar, _ = write_cifar_dir(tmp_path / "cifar", per_batch=64)
   command = [sys.executable, str(ROOT / "experiments" / "accuracy.py"), "--model", "smallcnn",
              "--methods", "dense,dlgs", "--densities", "0.1", "--epochs", "1", "--workers", "2",
              "--batch-size", "32", "--out-dir", str(tmp_path / "out"),
-             "--runs-dir", str(tmp_path / "runs")]
+             "--runs-dir", str(tmp_path / "runs"), "--data-dir", str(cifar)]
   first = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                          timeout=600)
   assert first.returncode == 0, first.stderr[-3000:]
+  assert first.stdout.count("(320 train / 64 test), 2 workers") == 2, first.stdout[-3000:]
+  assert first.stdout.count("1 epochs x 5 steps = 5 steps") == 2
   results = json.loads((tmp_path / "out" / "results.json").read_text())
+  assert results["meta"]["data"] == str(cifar)
   assert [(r["method"], r["density"]) for r in results["results"]] == [("dense", None),
                                                                       ("dlgs", 0.1)]
   for r in results["results"]:
