@@ -5,7 +5,10 @@ with every process it starts: many tests launch `dlgs-train` several times on th
 same program (a run, the same run killed and resumed, a refused resume), and on a
 2-core machine compiling that program again in each process was most of their time
 (e.g. the kill-and-resume test: 346 s without the cache, 153 s with it). Each
-program is still compiled once per session, so compile errors are still caught.
+program is still compiled once per session, so compile errors are still caught. In a
+multi-process run only process 0 reads the entries it needs: JAX writes none from
+another process, and process 1's programs have their own keys (other device ids), so
+every launch's other processes compile again.
 Setting JAX_COMPILATION_CACHE_DIR yourself keeps your directory instead.
 """
 
