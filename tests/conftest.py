@@ -6,7 +6,7 @@ same program (a run, the same run killed and resumed, a refused resume), and on 
 2-core machine compiling that program again in each process was most of their time
 (e.g. the kill-and-resume test: 346 s without the cache, 153 s with it). Each
 program is still compiled once per session, so compile errors are still caught. In a
-multi-process run only process 0 reads the entries it needs: JAX writes none from
+multi-process run only process 0 finds its programs there: JAX writes no entry from
 another process, and process 1's programs have their own keys (other device ids), so
 every launch's other processes compile again.
 Setting JAX_COMPILATION_CACHE_DIR yourself keeps your directory instead.
