@@ -10,6 +10,7 @@ collects each run's per-epoch test accuracy and loss.
     python experiments/accuracy.py --quick                 # 2 epochs, dense and dlgs only
     python experiments/accuracy.py --data-dir ~/data/cifar-10-batches-py --epochs 140
     python experiments/accuracy.py --methods dense,dlgs-head --densities 0.1 --seeds 0,1,2
+    python experiments/accuracy.py --merge a/results.json,b/results.json --out-dir both
 
 Writes results.json, results.md and curves.png under --out-dir. A run whose
 summary already exists with the same settings is reused (runs take minutes
@@ -17,7 +18,9 @@ each), unless --rerun. DLGS's layer grouping only changes how values are
 packed into collectives, not which values are sent, so runs use the default
 grouping; the timing benchmark (`bench_cluster.py`) uses planned groups.
 With several seeds the table gives each configuration's mean and sample
-standard deviation, and its gap to dense taken seed by seed.
+standard deviation, and its gap to dense taken seed by seed. --merge joins the
+results.json of runs made separately (e.g. one seed per session) into one table
+and one figure, without training; it refuses files whose settings differ.
 """
 
 from __future__ import annotations
@@ -61,7 +64,13 @@ def parse_args(argv=None):
   parser.add_argument("--out-dir", default=str(HERE / "results" / "accuracy"))
   parser.add_argument("--runs-dir", default=str(ROOT / "runs" / "accuracy"),
                       help="training work directories (checkpoints, full metrics)")
+  parser.add_argument("--merge", help="comma-separated results.json files to join into one "
+                      "table and figure under --out-dir; trains nothing, and the training "
+                      "flags are ignored")
   args = parser.parse_args(argv)
+  if args.merge:
+    args.merge = [Path(path) for path in args.merge.split(",")]
+    return args
   if args.quick:
     args.methods, args.densities, args.epochs = "dense,dlgs", "0.1", 2
   try:
@@ -106,9 +115,72 @@ def read_run(workdir: Path):
   return epochs, summary
 
 
+# The settings that must agree for runs to be compared in one table.
+MERGE_KEYS = ("model", "workers", "epochs", "batch_size", "lr", "data")
+
+
+def merge_results(paths):
+  """Joins results.json files of runs made separately into one (meta, results).
+
+  Args:
+    paths: results.json files written by this script.
+
+  Returns:
+    (meta, results): the first file's settings with every file's seeds, and the
+    runs ordered by seed, each seed's configurations in the order they were run.
+
+  Raises:
+    SystemExit: naming the file and the setting, where a file is missing, its
+      settings differ from the first file's, or a (method, density, seed) run
+      appears twice (nothing would say which one the table shows).
+  """
+  if len(paths) < 2:
+    raise SystemExit(f"--merge needs at least two results.json files, got {len(paths)}")
+  meta, results, seen = None, [], {}
+  for path in paths:
+    if not path.is_file():
+      raise SystemExit(f"--merge: no such file {path}")
+    loaded = json.loads(path.read_text())
+    if meta is None:
+      meta = {key: loaded["meta"].get(key) for key in MERGE_KEYS}
+    for key in MERGE_KEYS:
+      if loaded["meta"].get(key) != meta[key]:
+        raise SystemExit(f"--merge: {path} has {key}={loaded['meta'].get(key)!r}, "
+                         f"{paths[0]} has {meta[key]!r}; runs with different settings "
+                         f"are not one comparison")
+    for run in loaded["results"]:
+      key = (run["method"], run["density"], run.get("seed", 0))
+      if key in seen:
+        raise SystemExit(f"--merge: {key[0]} density {key[1]} seed {key[2]} is in both "
+                         f"{seen[key]} and {path}")
+      seen[key] = path
+      results.append(dict(run, seed=key[2]))
+  results.sort(key=lambda run: run["seed"])  # stable: each seed keeps its run order
+  meta["seeds"] = sorted({run["seed"] for run in results})
+  meta["merged"] = [str(path) for path in paths]
+  return meta, results
+
+
+def write_report(results, meta, out: Path):
+  """results.json, results.md (printed too) and curves.png under out."""
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+  table = markdown(results)
+  if len(meta["seeds"]) > 1 and any(r["method"] == "dense" for r in results):
+    table += "\n\n" + markdown_paired_gaps(results)
+  (out / "results.md").write_text(table + "\n")
+  print(table)
+  plot(results, meta, out / "curves.png")
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   out, runs = Path(args.out_dir), Path(args.runs_dir)
+  command = "python experiments/accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  if args.merge:
+    meta, results = merge_results(args.merge)
+    write_report(results, dict(meta, command=command), out)
+    return 0
   out.mkdir(parents=True, exist_ok=True)
   methods = args.methods.split(",")
   densities = [float(d) for d in args.densities.split(",")]
@@ -139,16 +211,11 @@ def main(argv=None) -> int:
     results.append({"method": method, "density": None if method in DENSITY_FREE else density,
                     "seed": seed, "epochs": epochs, "summary": summary,
                     "command": "python -m dlgs_jax.train " + " ".join(command[3:])})
-  meta = {"command": "python experiments/accuracy.py " + " ".join(
-              sys.argv[1:] if argv is None else argv),
+  meta = {"command": command,
           "model": args.model, "workers": args.workers, "epochs": args.epochs,
           "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
           "data": args.data_dir or "embedded CIFAR-10 subset (3,805 train / 761 test)"}
-  (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-  table = markdown(results)
-  (out / "results.md").write_text(table + "\n")
-  print(table)
-  plot(results, meta, out / "curves.png")
+  write_report(results, meta, out)
   return 0
 
 
@@ -225,6 +292,56 @@ def markdown_seeds(results) -> str:
         f"{np.mean([r['epochs'][-1].get('train_loss', np.nan) for r in runs]):.3f} | "
         f"{'' if None in sent else format(np.mean(sent) / 1e6, '.3f')} | "
         f"{np.mean([r['summary']['seconds'] for r in runs]) / 60:.1f} |")
+  return "\n".join(lines)
+
+
+def paired_gaps(results, tail: int) -> dict:
+  """Per configuration other than dense: its gap to dense seed by seed, in points.
+
+  Args:
+    results: runs of several seeds, dense among them.
+    tail: how many final epochs the "tail" measure averages.
+
+  Returns:
+    {(method, density): {"final" | "tail" | "best": [gap per seed]}} over the seeds
+    that have a dense run; "final" is the last epoch's test accuracy, "tail" the mean
+    over the last `tail` epochs, "best" the best epoch's.
+  """
+  def measures(run):
+    accuracy = np.array([e["test_accuracy"] for e in run["epochs"]]) * 100
+    return {"final": accuracy[-1], "tail": accuracy[-tail:].mean(), "best": accuracy.max()}
+
+  dense = {r["seed"]: measures(r) for r in results if r["method"] == "dense"}
+  gaps = {}
+  for configuration, runs in by_configuration(results).items():
+    if configuration[0] == "dense":
+      continue
+    per_seed = [(measures(r), dense[r["seed"]]) for r in runs if r["seed"] in dense]
+    if not per_seed:
+      continue
+    gaps[configuration] = {name: [own[name] - base[name] for own, base in per_seed]
+                           for name in ("final", "tail", "best")}
+  return gaps
+
+
+def markdown_paired_gaps(results) -> str:
+  """Paired gaps to dense under three measures of the test accuracy, seed by seed.
+
+  The final epoch's accuracy on a small test set moves by about a point between
+  neighbouring epochs, as much as the gaps being measured; the mean over the
+  last tenth of the epochs and the best epoch say how much of a gap is that noise.
+  """
+  tail = max(1, len(results[0]["epochs"]) // 10)
+  names = {"final": "final test accuracy", "tail": f"mean of the last {tail} epochs",
+           "best": "best test accuracy"}
+  lines = ["| method | density | measure | gap per seed (points) | gap, mean ± sd |",
+           "|---|---|---|---|---|"]
+  for (method, density), gaps in paired_gaps(results, tail).items():
+    for name, values in gaps.items():
+      sd = np.std(values, ddof=1) if len(values) > 1 else float("nan")
+      lines.append(f"| {method} | {'-' if density is None else format(density, 'g')} | "
+                   f"{names[name]} | {' / '.join(f'{v:+.1f}' for v in values)} | "
+                   f"{np.mean(values):+.1f} ± {sd:.1f} |")
   return "\n".join(lines)
 
 

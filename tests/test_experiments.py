@@ -169,6 +169,68 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
   assert "seeds" not in accuracy.markdown([results[0], results[3]]).splitlines()[0]
 
 
+def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settings(tmp_path):
+  accuracy = load("accuracy")
+  rng = np.random.default_rng(0)
+  curves = {}
+
+  def run(method, density, seed):
+    curve = rng.uniform(0.3, 0.8, 20)
+    curves[method, seed] = curve * 100
+    return {"method": method, "density": density, "seed": seed,
+            "epochs": [{"epoch": e, "test_accuracy": float(a), "test_loss": 1.0,
+                        "train_loss": 0.5} for e, a in enumerate(curve)],
+            "summary": {"bytes_sent_per_step": 1e6, "seconds": 60.0}}
+
+  meta = {"model": "resnet20", "workers": 4, "epochs": 20, "batch_size": 32, "lr": 0.1,
+          "data": "embedded"}
+
+  def write(name, runs, **changed):
+    path = tmp_path / name / "results.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"meta": dict(meta, seeds=sorted({r["seed"] for r in runs}),
+                                             command="x", **changed), "results": runs}))
+    return str(path)
+
+  # One session trained seeds 2 and 0, another seed 1 with DLGS before dense.
+  first = write("a", [run("dense", None, 2), run("dlgs", 0.1, 2), run("dense", None, 0),
+                      run("dlgs", 0.1, 0)])
+  second = write("b", [run("dlgs", 0.1, 1), run("dense", None, 1)])
+  out = tmp_path / "merged"
+  assert accuracy.main(["--merge", f"{first},{second}", "--out-dir", str(out)]) == 0
+  merged = json.loads((out / "results.json").read_text())
+  assert [(r["method"], r["seed"]) for r in merged["results"]] == [
+      ("dense", 0), ("dlgs", 0), ("dlgs", 1), ("dense", 1), ("dense", 2), ("dlgs", 2)]
+  assert merged["meta"]["seeds"] == [0, 1, 2] and merged["meta"]["merged"] == [first, second]
+  assert merged["meta"]["epochs"] == 20 and merged["meta"]["command"].endswith(str(out))
+  assert (out / "curves.png").stat().st_size > 0
+  table = (out / "results.md").read_text()
+  assert "| dlgs | 0.1 | 0,1,2 |" in table
+  # The paired gaps under each measure, against NumPy on the same curves.
+  gaps = {name: [measure(curves["dlgs", seed]) - measure(curves["dense", seed])
+                 for seed in range(3)]
+          for name, measure in (("final test accuracy", lambda c: c[-1]),
+                                ("mean of the last 2 epochs", lambda c: c[-2:].mean()),
+                                ("best test accuracy", np.max))}
+  for name, values in gaps.items():
+    row = (f"| dlgs | 0.1 | {name} | {' / '.join(f'{v:+.1f}' for v in values)} | "
+           f"{np.mean(values):+.1f} ± {np.std(values, ddof=1):.1f} |")
+    assert row in table, (row, table)
+
+  other = write("c", [run("dense", None, 3)], epochs=40)
+  with pytest.raises(SystemExit, match=r"c/results.json has epochs=40, .* has 20"):
+    accuracy.main(["--merge", f"{first},{other}", "--out-dir", str(tmp_path / "x")])
+  again = write("d", [run("dlgs", 0.1, 0)])
+  with pytest.raises(SystemExit, match=r"dlgs density 0.1 seed 0 is in both .*a/results.json"):
+    accuracy.main(["--merge", f"{first},{again}", "--out-dir", str(tmp_path / "x")])
+  with pytest.raises(SystemExit, match="at least two"):
+    accuracy.main(["--merge", first, "--out-dir", str(tmp_path / "x")])
+  with pytest.raises(SystemExit, match="no such file .*nowhere.json"):
+    accuracy.main(["--merge", f"{first},{tmp_path / 'nowhere.json'}", "--out-dir",
+                   str(tmp_path / "x")])
+  assert not (tmp_path / "x").exists()
+
+
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "run_suite.py"), "--out-dir",
              str(tmp_path)]
