@@ -309,7 +309,8 @@ def paired_gaps(results, tail: int) -> dict:
   """
   def measures(run):
     accuracy = np.array([e["test_accuracy"] for e in run["epochs"]]) * 100
-    return {"final": accuracy[-1], "tail": accuracy[-tail:].mean(), "best": accuracy.max()}
+    return {"final": final_accuracy(run), "tail": accuracy[-tail:].mean(),
+            "best": accuracy.max()}
 
   dense = {r["seed"]: measures(r) for r in results if r["method"] == "dense"}
   gaps = {}
