@@ -73,10 +73,18 @@ ROOT = Path(__file__).resolve().parents[1]
 _SHA_LINE = re.compile(r"process (\d+): params_sha256 ([0-9a-f]+)")
 
 
+def inherited_xla_flags() -> str:
+  """The suite's XLA flags (see conftest.py) less its device count, which each process sets."""
+  return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                  if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def child_env(**extra) -> dict:
   """Environment for a child JAX process: CPU, its own device count, this checkout importable."""
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # each process sets its own device count
+  env.pop("XLA_FLAGS", None)
+  if inherited_xla_flags():
+    env["XLA_FLAGS"] = inherited_xla_flags()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env.update(extra)

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import child_env
+from helpers import child_env, inherited_xla_flags
 
 
 @pytest.mark.parametrize("flag", ["--batches", "--steps"])
@@ -98,7 +98,7 @@ def test_benchmark_compares_methods_in_interleaved_rounds(tmp_path):
       [sys.executable, "-m", "dlgs_jax.benchmark", "--model", "smallcnn", "--density", "0.1",
        "--compare", "dense,dlgs-paper,topk", "--rounds", "3", "--steps", "2", "--warmup", "1",
        "--batches", "2", "--batch-size", "4", "--out", str(out)],
-      env=child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+      env=child_env(XLA_FLAGS=inherited_xla_flags() + " --xla_force_host_platform_device_count=2"),
       capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
   result = json.loads(out.read_text())

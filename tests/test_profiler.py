@@ -13,6 +13,7 @@ import pytest
 import dlgs_jax
 from dlgs_jax import data, grouping, models, parallel, profiler, training
 from dlgs_jax.timeline import LinearCost, Profile
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -573,8 +574,7 @@ def test_dlgs_timed_states_are_an_exact_step_and_a_reuse_step():
 
 
 def run_cli(*args, timeout=600):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = child_env()
   return subprocess.run([sys.executable, "-m", "dlgs_jax.plan", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
