@@ -13,7 +13,9 @@ import pytest
 from dlgs_jax import cluster
 from tests.helpers import child_env, params_shas
 
-pytestmark = pytest.mark.multiprocess
+# One pytest-xdist worker runs them all: each shapes links and pins processes to
+# cores, and one cleans up stale namespaces.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("emulated_cluster")]
 REASON = cluster.unavailable_reason(install=True) if sys.platform == "linux" else "not Linux"
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 ROOT = Path(__file__).resolve().parents[1]
