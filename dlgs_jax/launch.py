@@ -65,13 +65,19 @@ def child_env(base: dict, rank: int, nproc: int, coordinator: str, local_devices
              DLGS_PROCESS_ID=str(rank), DLGS_LOCAL_DEVICES=str(local_devices),
              JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   # A forced host device count would contradict DLGS_LOCAL_DEVICES.
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags = without_forced_device_count(env.get("XLA_FLAGS", ""))
   if flags:
-    env["XLA_FLAGS"] = " ".join(flags)
+    env["XLA_FLAGS"] = flags
   else:
     env.pop("XLA_FLAGS", None)
   return env
+
+
+def without_forced_device_count(xla_flags: str) -> str:
+  """`xla_flags` less `--xla_force_host_platform_device_count`, for a process that
+  sets its own device count."""
+  return " ".join(f for f in xla_flags.split()
+                  if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def _stream(rank: int, pipe, lock: threading.Lock, out) -> None:

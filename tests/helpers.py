@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dlgs_jax import data, parallel
+from dlgs_jax import data, launch, parallel
 
 
 def worker_mesh(workers: int):
@@ -75,16 +75,16 @@ _SHA_LINE = re.compile(r"process (\d+): params_sha256 ([0-9a-f]+)")
 
 def inherited_xla_flags() -> str:
   """The suite's XLA flags (see conftest.py) less its device count, which each process sets."""
-  return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                  if not f.startswith("--xla_force_host_platform_device_count"))
+  return launch.without_forced_device_count(os.environ.get("XLA_FLAGS", ""))
 
 
 def child_env(**extra) -> dict:
   """Environment for a child JAX process: CPU, its own device count, this checkout importable."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  if inherited_xla_flags():
-    env["XLA_FLAGS"] = inherited_xla_flags()
+  flags = inherited_xla_flags()
+  if flags:
+    env["XLA_FLAGS"] = flags
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env.update(extra)
