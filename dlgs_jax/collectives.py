@@ -13,7 +13,8 @@ group costs exactly one collective.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence, Union
+import itertools
+from typing import Hashable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -57,26 +58,6 @@ def _unpack(message: jax.Array) -> tuple[jax.Array, jax.Array]:
   return values, indices
 
 
-def scatter_mean(
-    values: jax.Array, indices: jax.Array, size: int, num: int
-) -> jax.Array:
-  """Dense float32[size] = (sum of the rows of a [W, c] sparse batch) / num.
-
-  Rows are added one at a time in worker order. Within a row indices are
-  unique, so no scatter ever adds two values into one slot at once: the result
-  is deterministic and bit-identical on every worker that runs it (a single
-  scatter-add over all rows would let GPU atomics reorder the sums).
-  """
-  def add_row(row, dense):
-    return dense.at[indices[row]].add(values[row], mode="drop")
-
-  # Starting from the first row (not from zeros) gives the carry the same
-  # varying-across-workers type as the rows inside shard_map.
-  first = add_row(0, jnp.zeros((size,), jnp.float32))
-  dense = lax.fori_loop(1, values.shape[0], add_row, first)
-  return dense / num
-
-
 def sparse_allgather_mean(
     values: jax.Array, indices: jax.Array, size: int, *, axis_name: AxisName
 ) -> jax.Array:
@@ -94,11 +75,69 @@ def sparse_allgather_mean(
   Returns:
     float32[size], identical on all workers.
   """
+  return sparse_allgather_means(values, indices, [(values.shape[0], size)],
+                                axis_name=axis_name)[0]
+
+
+def sparse_allgather_means(
+    values: jax.Array,
+    indices: jax.Array,
+    segments: Sequence[tuple[int, int]],
+    *,
+    axis_name: AxisName,
+    keep: Optional[jax.Array] = None,
+) -> list[jax.Array]:
+  """Means over workers of several sparse vectors sent in one all-gather.
+
+  The buffer is cut into consecutive segments, one per vector: segment j holds
+  ``slots_j`` (value, index) pairs of a vector of length ``size_j``, indices
+  local to that vector and padded with any sentinel ``>= size_j``. Every
+  worker uses the same segments, so each row of the gathered buffers is cut
+  the same way and every vector's mean is scattered straight into its own
+  array -- a layer-wise message (DLGS, LAGS) needs no dense concatenation of
+  its layers, before or after the collective.
+
+  Args:
+    values: float[c] this worker's selected values, segment after segment.
+    indices: int32[c] their indices, local to each segment's vector.
+    segments: ``(slots, size)`` per vector; the slots add up to c.
+    axis_name: the data-parallel axis.
+    keep: optional bool scalar, the same on every worker; when False the means
+      are all zeros (a skipped step) -- applied to the received pairs, so the
+      collective does not wait for it.
+
+  Returns:
+    float32[size_j] per segment, identical on all workers.
+
+  Raises:
+    ValueError: when the segments do not add up to the buffer.
+  """
+  slots = [int(s) for s, _ in segments]
+  if sum(slots) != values.shape[0] or values.shape != indices.shape:
+    raise ValueError(f"segments of {slots} slots do not cut a buffer of "
+                     f"{values.shape[0]} values and {indices.shape[0]} indices")
   if axis_name is None:
-    return scatter_mean(values[None].astype(jnp.float32), indices[None], size, 1)
-  gathered = lax.all_gather(_pack(values, indices), axis_name)
-  all_values, all_indices = _unpack(gathered)
-  return scatter_mean(all_values, all_indices, size, num_workers(axis_name))
+    rows_values, rows_indices, num = values[None].astype(jnp.float32), indices[None], 1
+  else:
+    rows_values, rows_indices = _unpack(lax.all_gather(_pack(values, indices), axis_name))
+    num = num_workers(axis_name)
+  if keep is not None:
+    rows_values = jnp.where(keep, rows_values, 0.0)
+  starts = list(itertools.accumulate([0] + slots[:-1]))
+
+  def add_row(row, dense):
+    # Rows are added one at a time in worker order, and within a row (one
+    # worker's buffer) indices are unique, so no scatter adds two values into
+    # one slot at once: the result is bit-identical on every worker (a single
+    # scatter-add over all rows would let GPU atomics reorder the sums).
+    return [d.at[rows_indices[row, a:a + n]].add(rows_values[row, a:a + n], mode="drop")
+            for d, a, n in zip(dense, starts, slots)]
+
+  # Starting from the first row (not from zeros) gives the carry the same
+  # varying-across-workers type as the rows inside shard_map.
+  first = add_row(0, [jnp.zeros((size,), jnp.float32) for _, size in segments])
+  dense = lax.fori_loop(1, rows_values.shape[0], add_row, first)
+  return [d / num for d in dense]
 
 
 def _merge_topk(

@@ -257,8 +257,42 @@ def sparse_exchange(
   selected, passed = [], []
   bytes_sent = jnp.zeros((), jnp.float32)
   bytes_received = jnp.zeros((), jnp.float32)
+
+  def leaf_indices(leaf):
+    """(int32[slots] local indices with sentinel = leaf size, int32 passed)."""
+    if select.kind == "threshold":
+      capacity = select.leaf_capacity(layout, leaf)
+      if packed is not None:
+        return selection.indices_from_words(packed[leaf], layout.sizes[leaf], capacity)
+      return selection.threshold_indices(accumulated[leaf], thresholds[leaf], capacity)
+    local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
+    return local, jnp.asarray(local.shape[0], jnp.int32)
+
   for group, leaves in enumerate(layout.groups):
     size = layout.group_size(group)
+    if select.kind != "group_topk" and collective == "allgather":
+      # Layer-wise selection needs no dense concatenation of the group: each
+      # leaf's pairs go into its own slots of the one message, and its mean and
+      # residual are scattered in place.
+      local = [leaf_indices(leaf) for leaf in leaves]
+      flats = [accumulated[leaf].reshape(-1) for leaf in leaves]
+      values = jnp.concatenate([
+          g.at[i].get(mode="fill", fill_value=0).astype(jnp.float32)
+          for g, (i, _) in zip(flats, local)])
+      indices = jnp.concatenate([i for i, _ in local])
+      group_means = collectives.sparse_allgather_means(
+          values, indices, [(i.shape[0], layout.sizes[leaf]) for leaf, (i, _) in zip(leaves, local)],
+          axis_name=axis_name)
+      for leaf, g, (i, _), mean in zip(leaves, flats, local, group_means):
+        means[leaf] = mean.reshape(layout.shapes[leaf])
+        residuals[leaf] = g.at[i].set(0, mode="drop").reshape(layout.shapes[leaf])
+      selected.append(sum(selection.count_valid(i, layout.sizes[leaf])
+                          for leaf, (i, _) in zip(leaves, local)))
+      passed.append(sum(p for _, p in local))
+      sent_bytes = wire.allgather_bytes(indices.shape[0], workers)
+      bytes_sent = bytes_sent + sent_bytes
+      bytes_received = bytes_received + sent_bytes
+      continue
     flat = concat_flat([accumulated[leaf] for leaf in leaves])
     if select.kind == "group_topk":
       indices = selection.topk_indices(flat, select.group_k(layout, group))
@@ -267,16 +301,7 @@ def sparse_exchange(
       parts, group_passed, offset = [], jnp.zeros((), jnp.int32), 0
       for leaf in leaves:
         leaf_size = layout.sizes[leaf]
-        if select.kind == "threshold":
-          capacity = select.leaf_capacity(layout, leaf)
-          if packed is not None:
-            local, leaf_passed = selection.indices_from_words(packed[leaf], leaf_size, capacity)
-          else:
-            local, leaf_passed = selection.threshold_indices(
-                accumulated[leaf], thresholds[leaf], capacity)
-        else:
-          local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
-          leaf_passed = jnp.asarray(local.shape[0], jnp.int32)
+        local, leaf_passed = leaf_indices(leaf)
         parts.append(jnp.where(local < leaf_size, local + offset, size))
         group_passed = group_passed + leaf_passed
         offset += leaf_size

@@ -42,6 +42,39 @@ def test_sparse_allgather_mean_matches_numpy(workers):
     np.testing.assert_array_equal(out[w], out[0])  # bit-identical
 
 
+@pytest.mark.parametrize("workers", [1, 4])
+def test_sparse_allgather_means_matches_numpy_per_segment(workers):
+  """Three vectors in one message: each segment's pairs land in its own vector."""
+  rng = np.random.default_rng(10 + workers)
+  segments = [(5, 20), (1, 3), (7, 40)]  # (slots, size)
+  parts_v, parts_i = [], []
+  for slots, size in segments:
+    v, i = sparse_inputs(rng, workers, size, slots + 2)
+    parts_v.append(v[:, 2:])  # keeps one or two sentinel slots at the end
+    parts_i.append(i[:, 2:])
+  values, indices = np.concatenate(parts_v, 1), np.concatenate(parts_i, 1)
+  keep = np.ones((workers,), bool)
+  out = run(lambda v, i, k: collectives.sparse_allgather_means(
+      v, i, segments, axis_name="data", keep=k), workers, values, indices, keep)
+  skipped = run(lambda v, i, k: collectives.sparse_allgather_means(
+      v, i, segments, axis_name="data", keep=k), workers, values, indices, ~keep)
+  for j, (slots, size) in enumerate(segments):
+    want = np.zeros(size + 1, np.float64)
+    for w in range(workers):
+      np.add.at(want, parts_i[j][w], parts_v[j][w])
+    want = want[:size] / workers
+    for w in range(workers):
+      np.testing.assert_allclose(out[j][w], want, rtol=1e-6, atol=1e-7)
+      np.testing.assert_array_equal(out[j][w], out[j][0])  # bit-identical
+      np.testing.assert_array_equal(skipped[j][w], np.zeros(size))
+
+
+def test_sparse_allgather_means_rejects_segments_that_do_not_cut_the_buffer():
+  values, indices = jnp.zeros((6,), jnp.float32), jnp.zeros((6,), jnp.int32)
+  with pytest.raises(ValueError, match=r"segments of \[2, 3\] slots"):
+    collectives.sparse_allgather_means(values, indices, [(2, 10), (3, 10)], axis_name=None)
+
+
 def numpy_gtopk(values, indices, k, size):
   """Reference recursive-doubling gTop-k on dicts (same rounds as the JAX code)."""
   workers = values.shape[0]
