@@ -71,7 +71,8 @@ def kth_largest_abs(x: jax.Array, k: int) -> jax.Array:
   samples = min(size, max(16384, 128 * size // k))
   sample = flat[::size // samples]
   sample_rank = max(1, math.ceil(sample.shape[0] * 1.5 * k / size))
-  lower = lax.top_k(sample, sample_rank)[0][sample_rank - 1]
+  # The minimum of the top values, not their last element: see `_kth_largest_sorted`.
+  lower = jnp.min(lax.top_k(sample, sample_rank)[0])
   candidates, passed = threshold_indices(flat, lower, capacity)
   values = flat.at[candidates].get(mode="fill", fill_value=0.0)
   found = lambda: _kth_largest_sorted(values, k)
@@ -84,8 +85,10 @@ def _kth_largest_sorted(values: jax.Array, k: int) -> jax.Array:
   return jnp.min(lax.top_k(values, k)[0])
 
 
-# Below this size a full sort is as cheap as the sampled path.
-_SMALL_LEAF = 1 << 19
+# Up to this size a full sort is as cheap as the sampled path (one core:
+# 0.11 ms for either at 32768 values, density 0.01; at 131072 0.77 ms sorted
+# against 0.21 ms sampled).
+_SMALL_LEAF = 1 << 15
 
 
 def topk_indices(x: jax.Array, k: int) -> jax.Array:

@@ -59,7 +59,8 @@ def test_threshold_at_exact_kth_selects_exactly_k():
   assert set(np.asarray(got)) == set(np.argsort(-np.abs(x))[:k])
 
 
-@pytest.mark.parametrize("size,k", [(600_000, 6000), (600_000, 1), (700_001, 7000), (600_000, 60_000)])
+@pytest.mark.parametrize("size,k", [(600_000, 6000), (600_000, 1), (700_001, 7000), (600_000, 60_000),
+                                    (33_000, 330), (40_000, 1), (100_003, 10_001)])
 def test_sampled_kth_largest_is_exact_on_large_inputs(size, k):
   rng = np.random.default_rng(size + k)
   x = rng.standard_normal(size).astype(np.float32)
@@ -73,6 +74,9 @@ def test_sampled_kth_largest_falls_back_when_estimate_misses():
   x = np.zeros(800_000, np.float32)
   x[::8000] = np.arange(1, 101)
   assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(x, 150)) == 0.0
+  z = np.zeros(50_000, np.float32)  # the same on a leaf just above the sampling size
+  z[::1000] = np.arange(1, 51)
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(z, 100)) == 0.0
   # Heavy ties: many more than 4k values equal the k-th largest.
   y = np.ones(600_000, np.float32)
   y[:10] = 5.0
