@@ -7,7 +7,7 @@ thresholds and planned layer merging (Ju et al., J. Xi'an Jiaotong Univ. 58(9),
 """
 
 from dlgs_jax.collectives import (dense_mean, gtopk_indices, gtopk_mean, ring_allreduce,
-                                  sparse_allgather_mean)
+                                  sparse_allgather_mean, sparse_allgather_means)
 from dlgs_jax.deep_gradient_compression import dgc
 from dlgs_jax.grouping import backward_order, leaf_paths, output_layer
 from dlgs_jax.state import (CommStats, DenseState, DGCState, DLGSState, SparseState,
@@ -22,5 +22,6 @@ __all__ = [
     "CommStats", "DGCState", "DLGSState", "DenseState", "SparseState", "TernGradState",
     "backward_order", "comm_stats", "dense", "dense_mean", "dgc", "dlgs", "gtopk",
     "gtopk_indices", "gtopk_mean", "lags", "leaf_paths", "output_layer", "ring_allreduce",
-    "sparse_allgather_mean", "stats_summary", "terngrad", "topk", "wire",
+    "sparse_allgather_mean", "sparse_allgather_means", "stats_summary", "terngrad", "topk",
+    "wire",
 ]
