@@ -248,6 +248,24 @@ def test_lags_matches_numpy_reference_over_steps():
     residual = state.residuals
 
 
+@pytest.mark.parametrize("make", [
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, **kw),
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=2, refresh_below=None,
+                               capacity_factor=1.5, **kw),
+    lambda **kw: dlgs_jax.lags(0.2, axis_name="data", **kw),
+])
+def test_layer_wise_methods_send_the_same_grouped_or_not(make):
+  """A group is one message of per-leaf segments: the same values as one message per leaf."""
+  rng = np.random.default_rng(8)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
+  per_leaf = run_steps(make(), PARAMS, steps, W)
+  grouped = run_steps(make(order=ORDER, groups=[ORDER[:3], ORDER[3:]]), PARAMS, steps, W)
+  for u_leaf, u_group, s_leaf, s_group in zip(per_leaf[0], grouped[0], per_leaf[2], grouped[2]):
+    np.testing.assert_array_equal(flat_workers(u_group), flat_workers(u_leaf))
+    np.testing.assert_array_equal(flat_workers(s_group.residuals), flat_workers(s_leaf.residuals))
+  assert np.count_nonzero(flat_workers(grouped[0][-1])) > 0
+
+
 HEAD = ["dense/bias", "dense/kernel"]
 BIASES = ["conv/bias", "dense/bias"]
 
