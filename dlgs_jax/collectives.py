@@ -14,7 +14,7 @@ group costs exactly one collective.
 from __future__ import annotations
 
 import itertools
-from typing import Hashable, Optional, Sequence, Union
+from typing import Hashable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +85,6 @@ def sparse_allgather_means(
     segments: Sequence[tuple[int, int]],
     *,
     axis_name: AxisName,
-    keep: Optional[jax.Array] = None,
 ) -> list[jax.Array]:
   """Means over workers of several sparse vectors sent in one all-gather.
 
@@ -102,9 +101,6 @@ def sparse_allgather_means(
     indices: int32[c] their indices, local to each segment's vector.
     segments: ``(slots, size)`` per vector; the slots add up to c.
     axis_name: the data-parallel axis.
-    keep: optional bool scalar, the same on every worker; when False the means
-      are all zeros (a skipped step) -- applied to the received pairs, so the
-      collective does not wait for it.
 
   Returns:
     float32[size_j] per segment, identical on all workers.
@@ -121,8 +117,6 @@ def sparse_allgather_means(
   else:
     rows_values, rows_indices = _unpack(lax.all_gather(_pack(values, indices), axis_name))
     num = num_workers(axis_name)
-  if keep is not None:
-    rows_values = jnp.where(keep, rows_values, 0.0)
   starts = list(itertools.accumulate([0] + slots[:-1]))
 
   def add_row(row, dense):

@@ -53,11 +53,8 @@ def test_sparse_allgather_means_matches_numpy_per_segment(workers):
     parts_v.append(v[:, 2:])  # keeps one or two sentinel slots at the end
     parts_i.append(i[:, 2:])
   values, indices = np.concatenate(parts_v, 1), np.concatenate(parts_i, 1)
-  keep = np.ones((workers,), bool)
-  out = run(lambda v, i, k: collectives.sparse_allgather_means(
-      v, i, segments, axis_name="data", keep=k), workers, values, indices, keep)
-  skipped = run(lambda v, i, k: collectives.sparse_allgather_means(
-      v, i, segments, axis_name="data", keep=k), workers, values, indices, ~keep)
+  out = run(lambda v, i: collectives.sparse_allgather_means(v, i, segments, axis_name="data"),
+            workers, values, indices)
   for j, (slots, size) in enumerate(segments):
     want = np.zeros(size + 1, np.float64)
     for w in range(workers):
@@ -66,7 +63,6 @@ def test_sparse_allgather_means_matches_numpy_per_segment(workers):
     for w in range(workers):
       np.testing.assert_allclose(out[j][w], want, rtol=1e-6, atol=1e-7)
       np.testing.assert_array_equal(out[j][w], out[j][0])  # bit-identical
-      np.testing.assert_array_equal(skipped[j][w], np.zeros(size))
 
 
 def test_sparse_allgather_means_rejects_segments_that_do_not_cut_the_buffer():
