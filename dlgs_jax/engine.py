@@ -280,22 +280,20 @@ def sparse_exchange(
       # leaf's pairs go into its own slots of the one message, and its mean and
       # residual are scattered in place (on ResNet-50 the concatenation and
       # the split back cost more than the reuse step's selection).
-      local = {leaf: leaf_indices(leaf) for leaf in leaves}
-      flats = {leaf: accumulated[leaf].reshape(-1) for leaf in leaves}
-      values = jnp.concatenate([
-          flats[leaf].at[local[leaf][0]].get(mode="fill", fill_value=0).astype(jnp.float32)
-          for leaf in leaves])
-      indices = jnp.concatenate([local[leaf][0] for leaf in leaves])
-      segments = [(local[leaf][0].shape[0], layout.sizes[leaf]) for leaf in leaves]
+      sent, leaf_passed = zip(*(leaf_indices(leaf) for leaf in leaves))
+      flats = [accumulated[leaf].reshape(-1) for leaf in leaves]
+      values = jnp.concatenate([g.at[i].get(mode="fill", fill_value=0).astype(jnp.float32)
+                                for g, i in zip(flats, sent)])
+      indices = jnp.concatenate(sent)
+      segments = [(i.shape[0], layout.sizes[leaf]) for leaf, i in zip(leaves, sent)]
       group_means = collectives.sparse_allgather_means(values, indices, segments,
                                                        axis_name=axis_name)
-      for leaf, mean in zip(leaves, group_means):
-        sent = local[leaf][0]
+      for leaf, g, i, mean in zip(leaves, flats, sent, group_means):
         means[leaf] = mean.reshape(layout.shapes[leaf])
-        residuals[leaf] = flats[leaf].at[sent].set(0, mode="drop").reshape(layout.shapes[leaf])
-      selected.append(sum(selection.count_valid(local[leaf][0], layout.sizes[leaf])
-                          for leaf in leaves))
-      passed.append(sum(local[leaf][1] for leaf in leaves))
+        residuals[leaf] = g.at[i].set(0, mode="drop").reshape(layout.shapes[leaf])
+      selected.append(sum(selection.count_valid(i, layout.sizes[leaf])
+                          for leaf, i in zip(leaves, sent)))
+      passed.append(sum(leaf_passed))
       sent_bytes = wire.allgather_bytes(indices.shape[0], workers)
       bytes_sent = bytes_sent + sent_bytes
       bytes_received = bytes_received + sent_bytes
