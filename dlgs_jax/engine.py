@@ -291,42 +291,41 @@ def sparse_exchange(
       for leaf, g, i, mean in zip(leaves, flats, sent, group_means):
         means[leaf] = mean.reshape(layout.shapes[leaf])
         residuals[leaf] = g.at[i].set(0, mode="drop").reshape(layout.shapes[leaf])
-      selected.append(sum(selection.count_valid(i, layout.sizes[leaf])
-                          for leaf, i in zip(leaves, sent)))
-      passed.append(sum(leaf_passed))
-      sent_bytes = wire.allgather_bytes(indices.shape[0], workers)
-      bytes_sent = bytes_sent + sent_bytes
-      bytes_received = bytes_received + sent_bytes
-      continue
-    flat = concat_flat([accumulated[leaf] for leaf in leaves])
-    if select.kind == "group_topk":
-      indices = selection.topk_indices(flat, select.group_k(layout, group))
-      group_passed = jnp.asarray(indices.shape[0], jnp.int32)
-    else:
-      parts, group_passed, offset = [], jnp.zeros((), jnp.int32), 0
-      for leaf in leaves:
-        leaf_size = layout.sizes[leaf]
-        local, leaf_passed = leaf_indices(leaf)
-        parts.append(jnp.where(local < leaf_size, local + offset, size))
-        group_passed = group_passed + leaf_passed
-        offset += leaf_size
-      indices = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    values = flat.at[indices].get(mode="fill", fill_value=0)
-    if collective == "allgather":
-      mean = collectives.sparse_allgather_mean(values, indices, size, axis_name=axis_name)
-      sent = indices
+      group_selected = sum(selection.count_valid(i, layout.sizes[leaf])
+                           for leaf, i in zip(leaves, sent))
+      group_passed = sum(leaf_passed)
       sent_bytes = received_bytes = wire.allgather_bytes(indices.shape[0], workers)
     else:
-      k = select.group_k(layout, group)
-      mean, sent = collectives.gtopk_mean(flat, values, indices, k, axis_name=axis_name)
-      sent_bytes, received_bytes = wire.gtopk_bytes(k, workers, rank)
-    residual = flat.at[sent].set(0, mode="drop")
-    means_group = split_flat(layout, group, mean)
-    residual_group = split_flat(layout, group, residual)
-    for leaf in leaves:
-      means[leaf] = means_group[leaf]
-      residuals[leaf] = residual_group[leaf].astype(accumulated[leaf].dtype)
-    selected.append(selection.count_valid(sent, size))
+      flat = concat_flat([accumulated[leaf] for leaf in leaves])
+      if select.kind == "group_topk":
+        indices = selection.topk_indices(flat, select.group_k(layout, group))
+        group_passed = jnp.asarray(indices.shape[0], jnp.int32)
+      else:
+        parts, group_passed, offset = [], jnp.zeros((), jnp.int32), 0
+        for leaf in leaves:
+          leaf_size = layout.sizes[leaf]
+          local, leaf_passed = leaf_indices(leaf)
+          parts.append(jnp.where(local < leaf_size, local + offset, size))
+          group_passed = group_passed + leaf_passed
+          offset += leaf_size
+        indices = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+      values = flat.at[indices].get(mode="fill", fill_value=0)
+      if collective == "allgather":
+        mean = collectives.sparse_allgather_mean(values, indices, size, axis_name=axis_name)
+        sent = indices
+        sent_bytes = received_bytes = wire.allgather_bytes(indices.shape[0], workers)
+      else:
+        k = select.group_k(layout, group)
+        mean, sent = collectives.gtopk_mean(flat, values, indices, k, axis_name=axis_name)
+        sent_bytes, received_bytes = wire.gtopk_bytes(k, workers, rank)
+      residual = flat.at[sent].set(0, mode="drop")
+      means_group = split_flat(layout, group, mean)
+      residual_group = split_flat(layout, group, residual)
+      for leaf in leaves:
+        means[leaf] = means_group[leaf]
+        residuals[leaf] = residual_group[leaf].astype(accumulated[leaf].dtype)
+      group_selected = selection.count_valid(sent, size)
+    selected.append(group_selected)
     passed.append(group_passed)
     bytes_sent = bytes_sent + sent_bytes
     bytes_received = bytes_received + received_bytes
