@@ -67,6 +67,31 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                                           "--steps", "2", "--warmup", "2", "--profile",
                                           e + "results/compare/profile_resnet50_0.1.json",
                                           "--measure-profile"]),
+        ("cluster_predict_resnet50_0.01", [
+            e + "compare_cluster.py", "--model", "resnet50", "--image-size", "32", "--density",
+            "0.01", "--methods", "dense,topk,dlgs,dlgs-paper", "--plan-dir",
+            e + "results/cluster_resnet50", "--rounds", "8", "--steps", "2", "--warmup", "2",
+            "--profile", e + "results/compare/profiled_resnet50_0.01/profile_resnet50_0.01.json",
+            "--measure-profile", "--out-dir", e + "results/compare/profiled_resnet50_0.01"]),
+        # The 2x target's models on a 10x slower link, with a profile of that link.
+        ("cluster_predict_vgg16_100mbit", [
+            e + "compare_cluster.py", "--model", "vgg16", "--density", "0.01", "--bandwidth",
+            "100mbit", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-paper", "--plan-dir",
+            e + "results/cluster", "--rounds", "6", "--steps", "2", "--warmup", "2",
+            "--profile", e + "results/compare/vgg16_100mbit/profile_vgg16_0.01_100mbit.json",
+            "--measure-profile", "--out-dir", e + "results/compare/vgg16_100mbit"]),
+        ("cluster_predict_resnet20_100mbit", [
+            e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01", "--bandwidth",
+            "100mbit", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-paper", "--plan-dir",
+            e + "results/cluster_resnet20", "--rounds", "20", "--steps", "3", "--warmup", "2",
+            "--profile",
+            e + "results/compare/resnet20_100mbit/profile_resnet20_0.01_100mbit.json",
+            "--measure-profile", "--out-dir", e + "results/compare/resnet20_100mbit"]),
+        ("cluster_compare_resnet20_100mbit_topk", [
+            e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01", "--bandwidth",
+            "100mbit", "--methods", "dense,topk,dlgs-paper", "--plan-dir",
+            e + "results/cluster_resnet20", "--rounds", "60", "--steps", "3", "--warmup", "2",
+            "--out-dir", e + "results/compare/resnet20_100mbit/topk_pair"]),
         ("cluster_predict_resnet20_perleaf", [
             e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01", "--methods",
             "dense,lags,dgc,terngrad", "--rounds", "6", "--steps", "3", "--warmup", "1",
