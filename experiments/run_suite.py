@@ -59,6 +59,11 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
                                             e + "results/cluster_resnet50", "--rounds", "8",
                                             "--steps", "2", "--warmup", "2", "--out-dir",
                                             e + "results/compare/resnet50_gtopk"]),
+        ("cluster_compare_resnet50_lags_gtopk", [
+            e + "compare_cluster.py", "--model", "resnet50", "--image-size", "32", "--density",
+            "0.01", "--methods", "dense,lags,gtopk,dlgs-paper", "--plan-dir",
+            e + "results/cluster_resnet50", "--rounds", "6", "--steps", "2", "--warmup", "2",
+            "--out-dir", e + "results/compare/resnet50_lags_gtopk"]),
         # Profile (update timed inside the step too) and paired run together: predictions
         # next to measurements.
         ("cluster_predict_resnet50_0.1", [e + "compare_cluster.py", "--model", "resnet50",
