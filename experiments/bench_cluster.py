@@ -3,8 +3,9 @@
 Builds an emulated cluster (`dlgs_jax.cluster`: one network namespace per
 worker, tbf-shaped links, each worker pinned to its share of the cores), then
 per model and density: measures a planner profile on that cluster (selection
-costs depend on k), plans dense fusion and DLGS merging with the `optimal`
-planner, and for each method runs
+costs depend on k; the update is timed for the methods of the run only, and a
+kept profile without one of them is refused), plans dense fusion and DLGS
+merging with the `optimal` planner, and for each method runs
 `dlgs_jax.benchmark` on all workers: median iteration time over --steps
 repetitions after --warmup, its measured breakdown, bytes on the wire, speedup
 over dense, and the timeline model's prediction next to the measurement.
@@ -45,6 +46,20 @@ GROUPING = {"dense": "optimal", "dlgs": "optimal", "dlgs-paper": "optimal",
 FIXED_COLLECTIVES = 2
 
 
+def require_update_cost(method: str, profile) -> None:
+  """Raises ValueError unless `profile` timed the update of `method` (or its variant's base).
+
+  The timeline model prices a method whose update a profile did not time at 0 s,
+  and a prediction without its update is no prediction of that method.
+  """
+  base = variant(method)[0]
+  if base not in profile.sparsify:
+    raise ValueError(
+        f"the {profile.model} profile has no update cost for {base!r} (it timed "
+        f"{', '.join(sorted(profile.sparsify)) or 'none'}); measure it again with {base} among "
+        f"the profiled methods")
+
+
 def method_costs(method: str, density: float, profile, shapes):
   """The timeline model's costs of `method` (a method or a variant) as the benchmark runs it.
 
@@ -57,6 +72,7 @@ def method_costs(method: str, density: float, profile, shapes):
   from dlgs_jax import planner, train
   from dlgs_jax.timeline import MethodCosts, layers_below_ndim
 
+  require_update_cost(method, profile)
   base, flags = variant(method)
   # The variant's own flags say whether the refresh rule is on (dlgs-paper: off)
   # and which leaves go whole (dlgs-head, *-whole1d).
@@ -68,6 +84,14 @@ def method_costs(method: str, density: float, profile, shapes):
     extra["whole_layers"] = layers_below_ndim(profile, shapes, 2)
   return MethodCosts(base, 1.0 if base in DENSITY_FREE else density,
                      fixed_collectives=FIXED_COLLECTIVES, **extra)
+
+
+def profiled_methods(methods) -> list[str]:
+  """The modelled methods whose update a profile for `methods` (or variants) must time."""
+  from dlgs_jax.timeline import MODELLED
+
+  bases = {variant(method)[0] for method in methods if method in PREDICTABLE}
+  return [method for method in MODELLED if method in bases]
 
 
 def parse_args(argv=None):
@@ -141,8 +165,18 @@ def main(argv=None) -> int:
           print(f"== {model}: using {profile_path}", flush=True)
         else:
           print(f"== {model}: profiling on the cluster at density {density:g}", flush=True)
-          bench(["--profile-out", str(profile_path), "--density", str(density)])
+          # Only the updates of the methods measured here: each one's timing
+          # compiles the model's update programs (minutes for the per-leaf ones).
+          timed = profiled_methods(methods)
+          bench(["--profile-out", str(profile_path), "--density", str(density)]
+                + (["--profile-methods", ",".join(timed)] if timed else []))
         profile = Profile.load(profile_path)
+        try:
+          for method in methods:
+            if method in PREDICTABLE and (method, density) in runs:
+              require_update_cost(method, profile)
+        except ValueError as error:
+          raise SystemExit(f"{profile_path}: {error} (leave out --keep-profiles)") from None
         if args.refit_profiles:
           details_path = Path(f"{profile_path}.details.json")
           if not details_path.exists():

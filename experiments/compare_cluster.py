@@ -210,6 +210,19 @@ def main(argv=None) -> int:
   if args.profile and not args.measure_profile and not Path(args.profile).exists():
     raise SystemExit(f"--profile {args.profile!r}: no such file (add --measure-profile to "
                      "measure it on the cluster)")
+  if args.profile and not args.measure_profile:
+    # Before the comparison runs, not after: a method the profile did not time
+    # cannot be predicted.
+    if str(HERE) not in sys.path:
+      sys.path.insert(0, str(HERE))
+    from bench_cluster import PREDICTABLE, require_update_cost
+    profile = Profile.load(args.profile)
+    try:
+      for name in methods:
+        if name in PREDICTABLE:
+          require_update_cost(name, profile)
+    except ValueError as error:
+      raise SystemExit(f"--profile {args.profile!r}: {error} (add --measure-profile)") from None
   plans = {}
   if args.plan_dir:
     for name in methods:

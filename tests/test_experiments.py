@@ -60,11 +60,11 @@ def test_bench_cluster_merge_replaces_remeasured_configurations_and_keeps_the_re
 
 
 def test_bench_cluster_costs_every_method_as_the_benchmark_runs_it():
-  from dlgs_jax.timeline import LinearCost, Profile
+  from dlgs_jax.timeline import MODELLED, LinearCost, Profile
   bench = load("bench_cluster")
   profile = Profile(model="m", paths=["head/kernel", "bn/scale", "conv/kernel"],
                     sizes=[640, 16, 2304], t_forward=0.0, t_backward=[0.0] * 3, workers=4,
-                    sparsify={"dlgs": LinearCost(1.0, 0.0)}, comm={},
+                    sparsify={m: LinearCost(1.0, 0.0) for m in MODELLED}, comm={},
                     dlgs_exact_fraction=0.6)
   shapes = {"head/kernel": (64, 10), "bn/scale": (16,), "conv/kernel": (3, 3, 16, 16)}
   dlgs = bench.method_costs("dlgs", 0.1, profile, shapes)
@@ -79,6 +79,41 @@ def test_bench_cluster_costs_every_method_as_the_benchmark_runs_it():
   assert bench.method_costs("dlgs-whole1d", 0.1, profile, shapes).whole_layers == {1}
   assert bench.method_costs("terngrad", 0.01, profile, shapes).density == 1.0
   assert set(bench.GROUPING) == set(bench.PREDICTABLE)
+
+
+def test_bench_cluster_profiles_the_updates_it_predicts_and_nothing_else():
+  from dlgs_jax.timeline import LinearCost, Profile
+  bench = load("bench_cluster")
+  # Variants are timed as their base method, once, in the model's order.
+  assert bench.profiled_methods(["dlgs-paper", "dense", "lags-head", "dgc", "dlgs"]) == [
+      "dense", "lags", "dlgs", "dgc"]
+  assert bench.profiled_methods(["terngrad"]) == ["terngrad"]
+  profile = Profile(model="m", paths=["conv/kernel"], sizes=[2304], t_forward=0.0,
+                    t_backward=[0.0], workers=4, comm={},
+                    sparsify={m: LinearCost(1e-3, 0.0) for m in ("dense", "dlgs")})
+  for method in ("dense", "dlgs", "dlgs-paper", "dlgs-head"):
+    bench.require_update_cost(method, profile)
+  # Priced without its update, Top-k would be predicted 1 ms too fast here: refused.
+  with pytest.raises(ValueError, match="no update cost for 'topk' \\(it timed dense, dlgs\\)"):
+    bench.method_costs("topk", 0.01, profile, {"conv/kernel": (3, 3, 16, 16)})
+  with pytest.raises(ValueError, match="no update cost for 'lags'"):
+    bench.require_update_cost("lags-head", profile)
+
+
+def test_compare_cluster_refuses_a_profile_without_a_compared_methods_update(tmp_path):
+  from dlgs_jax.timeline import LinearCost, Profile
+  compare = load("compare_cluster")
+  path = tmp_path / "profile.json"
+  Profile(model="resnet20", paths=["conv/kernel"], sizes=[2304], t_forward=0.0,
+          t_backward=[0.0], workers=4, comm={},
+          sparsify={"dense": LinearCost(1e-3, 0.0)}).save(path)
+  # Before any cluster is built: the message names the method and the profile.
+  with pytest.raises(SystemExit) as exc:
+    compare.main(["--profile", str(path), "--methods", "dense,gtopk",
+                  "--out-dir", str(tmp_path / "out")])
+  assert "no update cost for 'gtopk'" in str(exc.value.code)
+  assert str(path) in str(exc.value.code)
+  assert not (tmp_path / "out").exists()
 
 
 def test_bench_cluster_refit_needs_kept_profiles():
