@@ -46,18 +46,19 @@ GROUPING = {"dense": "optimal", "dlgs": "optimal", "dlgs-paper": "optimal",
 FIXED_COLLECTIVES = 2
 
 
-def require_update_cost(method: str, profile) -> None:
-  """Raises ValueError unless `profile` timed the update of `method` (or its variant's base).
+def require_update_costs(methods, profile) -> None:
+  """Raises ValueError unless `profile` timed the update of each predictable method of `methods`.
 
-  The timeline model prices a method whose update a profile did not time at 0 s,
-  and a prediction without its update is no prediction of that method.
+  A variant needs its base method's update. The timeline model prices a method
+  whose update a profile did not time at 0 s, and a prediction without its
+  update is no prediction of that method.
   """
-  base = variant(method)[0]
-  if base not in profile.sparsify:
-    raise ValueError(
-        f"the {profile.model} profile has no update cost for {base!r} (it timed "
-        f"{', '.join(sorted(profile.sparsify)) or 'none'}); measure it again with {base} among "
-        f"the profiled methods")
+  for base in profiled_methods(methods):
+    if base not in profile.sparsify:
+      raise ValueError(
+          f"the {profile.model} profile has no update cost for {base!r} (it timed "
+          f"{', '.join(sorted(profile.sparsify)) or 'none'}); measure it again with {base} "
+          f"among the profiled methods")
 
 
 def method_costs(method: str, density: float, profile, shapes):
@@ -72,7 +73,7 @@ def method_costs(method: str, density: float, profile, shapes):
   from dlgs_jax import planner, train
   from dlgs_jax.timeline import MethodCosts, layers_below_ndim
 
-  require_update_cost(method, profile)
+  require_update_costs([method], profile)
   base, flags = variant(method)
   # The variant's own flags say whether the refresh rule is on (dlgs-paper: off)
   # and which leaves go whole (dlgs-head, *-whole1d).
@@ -172,9 +173,7 @@ def main(argv=None) -> int:
                 + (["--profile-methods", ",".join(timed)] if timed else []))
         profile = Profile.load(profile_path)
         try:
-          for method in methods:
-            if method in PREDICTABLE and (method, density) in runs:
-              require_update_cost(method, profile)
+          require_update_costs([m for m in methods if (m, density) in runs], profile)
         except ValueError as error:
           raise SystemExit(f"{profile_path}: {error} (leave out --keep-profiles)") from None
         if args.refit_profiles:

@@ -202,7 +202,7 @@ def main(argv=None) -> int:
   from dlgs_jax import cluster, launch
   from dlgs_jax.models import leaf_shapes
   from dlgs_jax.planner import Plan
-  from dlgs_jax.timeline import MODELLED, Profile
+  from dlgs_jax.timeline import Profile
   from dlgs_jax.train import variant
 
   if args.measure_profile and not args.profile:
@@ -210,17 +210,15 @@ def main(argv=None) -> int:
   if args.profile and not args.measure_profile and not Path(args.profile).exists():
     raise SystemExit(f"--profile {args.profile!r}: no such file (add --measure-profile to "
                      "measure it on the cluster)")
+  if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+  from bench_cluster import profiled_methods, require_update_costs
+
   if args.profile and not args.measure_profile:
     # Before the comparison runs, not after: a method the profile did not time
     # cannot be predicted.
-    if str(HERE) not in sys.path:
-      sys.path.insert(0, str(HERE))
-    from bench_cluster import PREDICTABLE, require_update_cost
-    profile = Profile.load(args.profile)
     try:
-      for name in methods:
-        if name in PREDICTABLE:
-          require_update_cost(name, profile)
+      require_update_costs(methods, Profile.load(args.profile))
     except ValueError as error:
       raise SystemExit(f"--profile {args.profile!r}: {error} (add --measure-profile)") from None
   plans = {}
@@ -254,9 +252,9 @@ def main(argv=None) -> int:
       return status
 
     if args.measure_profile:
-      modelled = [m for m in MODELLED if m in {variant(n)[0] for n in methods}]
       if bench(common + ["--profile-out", args.profile,
-                         "--profile-methods", ",".join(modelled)], "the profile"):
+                         "--profile-methods", ",".join(profiled_methods(methods))],
+               "the profile"):
         return 1
     if bench(bench_args, "the comparison"):
       return 1

@@ -91,13 +91,12 @@ def test_bench_cluster_profiles_the_updates_it_predicts_and_nothing_else():
   profile = Profile(model="m", paths=["conv/kernel"], sizes=[2304], t_forward=0.0,
                     t_backward=[0.0], workers=4, comm={},
                     sparsify={m: LinearCost(1e-3, 0.0) for m in ("dense", "dlgs")})
-  for method in ("dense", "dlgs", "dlgs-paper", "dlgs-head"):
-    bench.require_update_cost(method, profile)
+  bench.require_update_costs(["dense", "dlgs", "dlgs-paper", "dlgs-head"], profile)
   # Priced without its update, Top-k would be predicted 1 ms too fast here: refused.
   with pytest.raises(ValueError, match="no update cost for 'topk' \\(it timed dense, dlgs\\)"):
     bench.method_costs("topk", 0.01, profile, {"conv/kernel": (3, 3, 16, 16)})
   with pytest.raises(ValueError, match="no update cost for 'lags'"):
-    bench.require_update_cost("lags-head", profile)
+    bench.require_update_costs(["dense", "lags-head"], profile)
 
 
 def test_compare_cluster_refuses_a_profile_without_a_compared_methods_update(tmp_path):
