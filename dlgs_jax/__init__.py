@@ -6,15 +6,15 @@ thresholds and planned layer merging (Ju et al., J. Xi'an Jiaotong Univ. 58(9),
 `gtopk`, `dgc` (Deep Gradient Compression) and `terngrad`.
 """
 
-from dlgs_jax.collectives import (dense_mean, gtopk_indices, gtopk_mean, ring_allreduce,
+from dlgs_jax.compress.collectives import (dense_mean, gtopk_indices, gtopk_mean, ring_allreduce,
                                   sparse_allgather_mean, sparse_allgather_means)
-from dlgs_jax.deep_gradient_compression import dgc
-from dlgs_jax.grouping import backward_order, leaf_paths, output_layer
-from dlgs_jax.state import (CommStats, DenseState, DGCState, DLGSState, SparseState,
+from dlgs_jax.compress.deep_gradient_compression import dgc
+from dlgs_jax.compress.grouping import backward_order, leaf_paths, output_layer
+from dlgs_jax.compress.state import (CommStats, DenseState, DGCState, DLGSState, SparseState,
                             TernGradState, comm_stats, stats_summary)
-from dlgs_jax.ternary import terngrad
-from dlgs_jax.transforms import dense, dlgs, gtopk, lags, topk
-from dlgs_jax import wire
+from dlgs_jax.compress.ternary import terngrad
+from dlgs_jax.compress.transforms import dense, dlgs, gtopk, lags, topk
+from dlgs_jax.compress import wire
 
 __version__ = "0.1.0"
 

@@ -34,7 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dlgs_jax.train import DENSITY_FREE, configurations, variant
+from dlgs_jax.cli.train import method_flags
+from dlgs_jax.compress.methods import METHODS, base_method, configurations
+
+
+def density_free(name: str) -> bool:
+  """Whether density changes nothing in method or variant `name` (it runs once)."""
+  return not METHODS[base_method(name)].uses_density
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -90,10 +96,9 @@ def run_dir(runs: Path, model: str, name: str, seed: int) -> Path:
 def train_command(args, method, density, seed, workdir):
   # Density-free methods (dense, terngrad) get no --density: their run, and so the
   # command that decides whether a finished run is reused, is the same for every density.
-  density_flags = [] if method in DENSITY_FREE else ["--density", str(density)]
-  method, extra = variant(method)
-  command = [sys.executable, "-m", "dlgs_jax.train", "--model", args.model, "--method", method,
-             *extra, *density_flags, "--epochs", str(args.epochs),
+  density_flags = [] if density_free(method) else ["--density", str(density)]
+  command = [sys.executable, "-m", "dlgs_jax.cli.train", "--model", args.model,
+             *method_flags(method), *density_flags, "--epochs", str(args.epochs),
              "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed),
              "--local-devices", str(args.workers), "--workers", str(args.workers),
              "--workdir", str(workdir), "--check-every", "0", "--keep", "1"]
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
   results = []
   for seed, (method, density) in ((seed, configuration) for seed in args.seeds
                                   for configuration in configurations(methods, densities)):
-    name = method if method in DENSITY_FREE else f"{method}_{density:g}"
+    name = method if density_free(method) else f"{method}_{density:g}"
     workdir = run_dir(runs, args.model, name, seed)
     label = name if len(args.seeds) == 1 else f"{name} seed {seed}"
     command = train_command(args, method, density, seed, workdir)
@@ -208,9 +213,9 @@ def main(argv=None) -> int:
     else:
       print(f"== {label}: reusing {workdir}", flush=True)
     epochs, summary = read_run(workdir)
-    results.append({"method": method, "density": None if method in DENSITY_FREE else density,
+    results.append({"method": method, "density": None if density_free(method) else density,
                     "seed": seed, "epochs": epochs, "summary": summary,
-                    "command": "python -m dlgs_jax.train " + " ".join(command[3:])})
+                    "command": "python -m dlgs_jax.cli.train " + " ".join(command[3:])})
   meta = {"command": command,
           "model": args.model, "workers": args.workers, "epochs": args.epochs,
           "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,

@@ -6,7 +6,7 @@ per model and density: measures a planner profile on that cluster (selection
 costs depend on k; the update is timed for the methods of the run only, and a
 kept profile without one of them is refused), plans dense fusion and DLGS
 merging with the `optimal` planner, and for each method runs
-`dlgs_jax.benchmark` on all workers: median iteration time over --steps
+`dlgs_jax.cli.benchmark` on all workers: median iteration time over --steps
 repetitions after --warmup, its measured breakdown, bytes on the wire, speedup
 over dense, and the timeline model's prediction next to the measurement.
 
@@ -31,17 +31,19 @@ import sys
 import time
 from pathlib import Path
 
-from dlgs_jax.train import DENSITY_FREE, configurations, variant
+from dlgs_jax.cli.train import method_flags
+from dlgs_jax.compress.methods import METHODS, VARIANTS, base_method, configurations
 
 HERE = Path(__file__).resolve().parent
-PREDICTABLE = ("dense", "topk", "lags", "gtopk", "dlgs", "dlgs-paper", "dlgs-head", "lags-head",
-               "dlgs-whole1d", "lags-whole1d", "dgc", "terngrad")
-# How each method's messages are grouped: planned (dense fusion, DLGS merging)
-# or fixed by the method (one per leaf, one for everything).
-GROUPING = {"dense": "optimal", "dlgs": "optimal", "dlgs-paper": "optimal",
-            "dlgs-head": "optimal", "dlgs-whole1d": "optimal", "lags": "wfbp",
-            "lags-head": "wfbp", "lags-whole1d": "wfbp",
-            "topk": "single", "gtopk": "single", "dgc": "wfbp", "terngrad": "wfbp"}
+# Every method and variant: the timeline model predicts them all.
+PREDICTABLE = tuple(METHODS) + tuple(VARIANTS)
+
+
+def density_free(name: str) -> bool:
+  """Whether density changes nothing in method or variant `name` (it runs once)."""
+  return not METHODS[base_method(name)].uses_density
+
+
 # Small all-reduces every train step pays besides the gradient messages.
 FIXED_COLLECTIVES = 2
 
@@ -70,28 +72,26 @@ def method_costs(method: str, density: float, profile, shapes):
     profile: the profile measured for this model and density.
     shapes: leaf path -> parameter shape (DGC sends leaves of < 2 dims whole).
   """
-  from dlgs_jax import planner, train
-  from dlgs_jax.timeline import MethodCosts, layers_below_ndim
+  from dlgs_jax.compress.methods import method_config
+  from dlgs_jax.planning import planner
+  from dlgs_jax.planning.timeline import MethodCosts
 
   require_update_costs([method], profile)
-  base, flags = variant(method)
-  # The variant's own flags say whether the refresh rule is on (dlgs-paper: off)
-  # and which leaves go whole (dlgs-head, *-whole1d).
-  settings = train.parse_args(["--method", base, *flags])
-  refresh = train.refresh_below(settings)
-  extra = {"exact_fraction": planner.dlgs_exact_fraction(profile, base, refresh),
-           "whole_layers": train.whole_layers(settings, profile.paths, shapes)}
-  if base == "dgc":
-    extra["whole_layers"] = layers_below_ndim(profile, shapes, 2)
-  return MethodCosts(base, 1.0 if base in DENSITY_FREE else density,
-                     fixed_collectives=FIXED_COLLECTIVES, **extra)
+  # The variant's own options say whether the refresh rule is on (dlgs-paper: off)
+  # and which leaves go whole (dlgs-head, *-whole1d; DGC: leaves of < 2 dims).
+  config = method_config(method)
+  base = config.name
+  return MethodCosts(base, 1.0 if density_free(base) else density,
+                     fixed_collectives=FIXED_COLLECTIVES,
+                     exact_fraction=planner.dlgs_exact_fraction(profile, base, config.refresh_below),
+                     whole_layers=config.whole_layers(profile.paths, shapes))
 
 
 def profiled_methods(methods) -> list[str]:
   """The modelled methods whose update a profile for `methods` (or variants) must time."""
-  from dlgs_jax.timeline import MODELLED
+  from dlgs_jax.planning.timeline import MODELLED
 
-  bases = {variant(method)[0] for method in methods if method in PREDICTABLE}
+  bases = {base_method(method) for method in methods if method in PREDICTABLE}
   return [method for method in MODELLED if method in bases]
 
 
@@ -118,7 +118,7 @@ def parse_args(argv=None):
   parser.add_argument("--refit-profiles", action="store_true",
                       help="with --keep-profiles: fit the update costs again from the raw "
                       "timings stored beside each profile (details.json) with the current "
-                      "rule (profiler.fit_update), and save the profile")
+                      "rule (profiling.fit_update), and save the profile")
   parser.add_argument("--quick", action="store_true",
                       help="ResNet-20 only, dense/topk/dlgs, 8 steps: a quick look")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "cluster"))
@@ -131,11 +131,13 @@ def main(argv=None) -> int:
     raise SystemExit("--refit-profiles refits kept profiles: give --keep-profiles too")
   if args.quick:
     args.models, args.methods, args.steps, args.warmup = "resnet20", "dense,topk,dlgs", 8, 2
-  from dlgs_jax import cluster, planner, profiler
-  from dlgs_jax.models import leaf_shapes
-  from dlgs_jax.timeline import Profile, simulate
+  from dlgs_jax.cluster import netns
+  from dlgs_jax.planning import planner
+  from dlgs_jax import profiling
+  from dlgs_jax.workload.models import leaf_shapes
+  from dlgs_jax.planning.timeline import Profile, simulate
 
-  cluster.exit_if_unavailable()
+  netns.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   models = args.models.split(",")
@@ -149,12 +151,12 @@ def main(argv=None) -> int:
   command = "python experiments/bench_cluster.py " + " ".join(sys.argv[1:] if argv is None
                                                               else argv)
   for model in models:
-    with cluster.EmulatedCluster(args.workers, args.bandwidth) as c:
-      from dlgs_jax import launch
+    with netns.EmulatedCluster(args.workers, args.bandwidth) as c:
+      from dlgs_jax.cluster import launch
 
       def bench(extra):
         status = launch.launch(args.workers, ["--model", model, *common, *extra], grace=5,
-                               module="dlgs_jax.benchmark", coordinator=c.coordinator(),
+                               module="dlgs_jax.cli.benchmark", coordinator=c.coordinator(),
                                wrap=c.wrap)
         if status != 0:
           raise SystemExit(f"benchmark failed with status {status}: {extra}")
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
           details_path = Path(f"{profile_path}.details.json")
           if not details_path.exists():
             raise SystemExit(f"--refit-profiles: no raw timings {details_path}")
-          profile = profiler.refit_profile(profile, json.loads(details_path.read_text()))
+          profile = profiling.refit_profile(profile, json.loads(details_path.read_text()))
           profile.save(profile_path)
         shapes = leaf_shapes(model, image_size=args.image_size)
         for method in methods:
@@ -189,11 +191,11 @@ def main(argv=None) -> int:
           result_path = out / f"run_{model}_{method}_{density:g}.json"
           plan_path = out / f"plan_{model}_{method}_{density:g}.json"
           plan_args, predicted = [], None
-          base, extra = variant(method)
+          base = base_method(method)
           if method in PREDICTABLE:
             costs = method_costs(method, density, profile, shapes)
-            how = GROUPING[method]
-            planned = base in ("dense", "dlgs")
+            how = METHODS[base].grouping
+            planned = how == "optimal"
             if planned and args.predict_only:
               # Predict the grouping that was measured, not a new plan.
               groups = planner.Plan.load(plan_path).group_indices(profile.paths)
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
             result.setdefault("command", command)
           else:
             print(f"== {model} {method} density {density:g}", flush=True)
-            bench(["--method", base, *extra, "--density", str(density), "--steps", str(args.steps),
+            bench([*method_flags(method), "--density", str(density), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--out", str(result_path), *plan_args])
             result = json.loads(result_path.read_text())
             result.update(method=method, command=command, bandwidth=args.bandwidth,
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
 
 
 def _key(result):
-  density = None if result["method"] in DENSITY_FREE else result["density"]
+  density = None if density_free(result["method"]) else result["density"]
   return result["model"], result["method"], density
 
 
@@ -259,7 +261,7 @@ def merge(path: Path, new, args):
                      "use another --out-dir")
   replaced = {_key(r) for r in new}
   kept = [r for r in old["results"] if _key(r) not in replaced]
-  order = {m: i for i, m in enumerate(PREDICTABLE + ("dgc", "terngrad"))}
+  order = {m: i for i, m in enumerate(PREDICTABLE)}
   # dense first, then each density (largest first), TernGrad last.
   return sorted(kept + new, key=lambda r: (
       r["model"], {"dense": 0, "terngrad": 2}.get(r["method"], 1), -r["density"],
@@ -274,7 +276,7 @@ def markdown(results) -> str:
   for r in results:
     b, pred = r["breakdown"], r["predicted"]
     error = (f"{(pred['t_iter'] / r['median']['step'] - 1) * 100:+.0f}%" if pred else "")
-    density = "-" if r["method"] in DENSITY_FREE else f"{r['density']:g}"
+    density = "-" if density_free(r["method"]) else f"{r['density']:g}"
     speedup = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else ""
     shape = "x".join(str(n) for n in r["image_shape"][:2])
     # DLGS: share of leaf thresholds computed exactly per step (schedule + refresh rule).
@@ -296,7 +298,7 @@ def plot(model, results, path, meta):
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(1.2 * len(results) + 2, 4))
-  names = [r["method"] if r["method"] in DENSITY_FREE else f"{r['method']}\n{r['density']:g}"
+  names = [r["method"] if density_free(r["method"]) else f"{r['method']}\n{r['density']:g}"
            for r in results]
   bottom = [0.0] * len(results)
   for key, color in (("compute", "tab:blue"), ("sparsify", "tab:orange"),

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlgs_jax import planner
-from dlgs_jax.timeline import LinearCost, MethodCosts, Profile, simulate
+from dlgs_jax.planning import planner
+from dlgs_jax.planning.timeline import LinearCost, MethodCosts, Profile, simulate
 
 
 def random_profile(rng, layers):

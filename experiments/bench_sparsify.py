@@ -29,12 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import dlgs_jax
-from dlgs_jax import engine, models, profiler, selection
+from dlgs_jax.compress import engine
+from dlgs_jax.workload import models
+from dlgs_jax import profiling
+from dlgs_jax.compress import selection
 
 
 def median_ms(fn, repeats: int) -> float:
   """Median wall time of fn() in ms after one warm-up call (compilation)."""
-  return profiler.median_seconds(fn, repeats) * 1e3
+  return profiling.median_seconds(fn, repeats) * 1e3
 
 
 def make_selectors(params, density, reuse_every):

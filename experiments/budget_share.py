@@ -50,14 +50,15 @@ def parse_args(argv=None):
 
 def compressor(method: str, density: float, order):
   """The transform `method` (or a dlgs-train variant) stands for, on one worker."""
-  from dlgs_jax import train
+  from dlgs_jax.compress.methods import base_method, method_config
 
-  base, flags = train.variant(method)
+  try:
+    base = base_method(method)
+  except ValueError:
+    base = None
   if base not in SUPPORTED:
     raise SystemExit(f"--methods: {method!r} is not {', '.join(SUPPORTED)} or a variant of them")
-  settings = train.parse_args(["--method", base, "--density", str(density), *flags])
-  train.check_args(settings)
-  return train.build_compressor(settings, None, None, order)
+  return method_config(method, density=density).compressor(order=order)
 
 
 def train_one(args, method: str):
@@ -66,20 +67,23 @@ def train_one(args, method: str):
   import jax.numpy as jnp
   import numpy as np
   import optax
-  from dlgs_jax import data, models, train, training
+  from dlgs_jax.workload import losses as model_losses
+  from dlgs_jax.workload import data
+  from dlgs_jax.workload import models
+  from dlgs_jax.training.plans import backward_order_of
 
   train_set, _ = data.load_embedded_cifar10()
   model, shape = models.create_model(args.model, num_classes=train_set.num_classes)
   variables = model.init(jax.random.key(args.seed), jnp.zeros((1,) + shape), train=False)
   params, batch_stats = variables["params"], variables.get("batch_stats", {})
-  order = train.backward_order_of(model, params, batch_stats, (1,) + shape)
+  order = backward_order_of(model, params, batch_stats, (1,) + shape)
   comp = compressor(method, args.density, order)
   tx = optax.chain(comp, optax.add_decayed_weights(5e-4), optax.sgd(args.lr, momentum=0.9))
   opt_state = tx.init(params)
 
   def loss_fn(p, stats, images, labels):
-    logits, updates = training.apply_for_training(model, p, stats, images)
-    return training.cross_entropy(logits, labels), updates
+    logits, updates = model_losses.apply_for_training(model, p, stats, images)
+    return model_losses.cross_entropy(logits, labels), updates
 
   @jax.jit
   def step(p, stats, state, images, labels):
@@ -103,7 +107,7 @@ def train_one(args, method: str):
         params, batch_stats, opt_state, images, jnp.asarray(train_set.labels[batch]))
     losses.append(float(loss))
     fractions.append(np.asarray(fraction))
-  from dlgs_jax import grouping
+  from dlgs_jax.compress import grouping
   paths = grouping.leaf_paths(params)
   sizes = [int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)]
   return losses, dict(zip(paths, np.mean(fractions, axis=0).tolist())), dict(zip(paths, sizes)), order

@@ -3,7 +3,7 @@
 `bench_cluster.py` runs each method as its own job, minutes apart; on a machine
 whose speed drifts (this project's VMs: the same program's median differs by up
 to 28% between runs) a few percent between two such jobs is not a measured
-difference. This script runs `dlgs_jax.benchmark --compare` once on the
+difference. This script runs `dlgs_jax.cli.benchmark --compare` once on the
 cluster's workers: every method's train step is compiled in the same job and
 timed in interleaved rounds (``--steps`` steps of each method per round, the
 order rotated each round). Per round, each method's median step gives a paired
@@ -117,9 +117,10 @@ def predictions(payload, profile, shapes, plans: dict) -> dict:
   """
   if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-  from bench_cluster import GROUPING, PREDICTABLE, method_costs
-  from dlgs_jax import planner
-  from dlgs_jax.timeline import simulate
+  from bench_cluster import PREDICTABLE, method_costs
+  from dlgs_jax.compress.methods import METHODS, base_method
+  from dlgs_jax.planning import planner
+  from dlgs_jax.planning.timeline import simulate
 
   out = {}
   for name in payload["methods"]:
@@ -128,10 +129,10 @@ def predictions(payload, profile, shapes, plans: dict) -> dict:
     costs = method_costs(name, payload["density"], profile, shapes)
     if name in plans:
       groups = plans[name].group_indices(profile.paths)
-    elif GROUPING[name] == "optimal":
+    elif METHODS[base_method(name)].grouping == "optimal":
       groups = [list(range(profile.num_layers))]
     else:
-      groups = planner.PLANNER_FUNCTIONS[GROUPING[name]](profile, costs)
+      groups = planner.PLANNER_FUNCTIONS[METHODS[base_method(name)].grouping](profile, costs)
     out[name] = simulate(profile, groups, costs).breakdown()
   return out
 
@@ -199,11 +200,12 @@ def plot(payload, path) -> None:
 def main(argv=None) -> int:
   args = parse_args(argv)
   methods = args.methods.split(",")
-  from dlgs_jax import cluster, launch
-  from dlgs_jax.models import leaf_shapes
-  from dlgs_jax.planner import Plan
-  from dlgs_jax.timeline import Profile
-  from dlgs_jax.train import variant
+  from dlgs_jax.cluster import netns
+  from dlgs_jax.cluster import launch
+  from dlgs_jax.workload.models import leaf_shapes
+  from dlgs_jax.planning.planner import Plan
+  from dlgs_jax.planning.timeline import Profile
+  from dlgs_jax.compress.methods import METHODS, base_method
 
   if args.measure_profile and not args.profile:
     raise SystemExit("--measure-profile writes the profile to --profile: give its path")
@@ -225,9 +227,9 @@ def main(argv=None) -> int:
   if args.plan_dir:
     for name in methods:
       path = Path(args.plan_dir) / f"plan_{args.model}_{name}_{args.density:g}.json"
-      if path.exists() and variant(name)[0] in ("dense", "dlgs", "lags"):
+      if path.exists() and METHODS[base_method(name)].takes_groups:
         plans[name] = path
-  cluster.exit_if_unavailable()
+  netns.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   stem = f"compare_{args.model}_{args.density:g}"
@@ -243,9 +245,9 @@ def main(argv=None) -> int:
   if plans:
     bench_args += ["--plans", ",".join(f"{name}={path}" for name, path in plans.items())]
   started = time.time()
-  with cluster.EmulatedCluster(args.workers, args.bandwidth) as c:
+  with netns.EmulatedCluster(args.workers, args.bandwidth) as c:
     def bench(extra, what):
-      status = launch.launch(args.workers, extra, grace=5, module="dlgs_jax.benchmark",
+      status = launch.launch(args.workers, extra, grace=5, module="dlgs_jax.cli.benchmark",
                              coordinator=c.coordinator(), wrap=c.wrap)
       if status != 0:
         print(f"{what} failed with status {status}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Does the profile's collective latency depend on how many collectives it chains?
 
-`profiler.measure_comm` prices a collective's latency as the marginal cost of
+`profiling.measure_comm` prices a collective's latency as the marginal cost of
 one more collective in a program, ``(T(chain) - T(1)) / (chain - 1)`` at the
 smallest message, with ``chain = 8``. The methods that send one collective per
 leaf pay 59-161 of them a step, so a chain of 8 could carry too much of the
@@ -49,17 +49,18 @@ def parse_args(argv=None):
 
 def worker(args) -> int:
   """One process of the cluster: measure_comm at each chain, every process together."""
-  from dlgs_jax import distributed
+  from dlgs_jax.training import distributed
   distributed.initialize()
   import jax
-  from dlgs_jax import parallel, profiler
+  from dlgs_jax.workload import parallel
+  from dlgs_jax import profiling
 
   mesh = parallel.data_mesh()
   rows = []
   for p in range(args.passes):
     for chain in args.chain_list:
       # A second, larger size only because measure_comm fits a slope over sizes.
-      _, raw = profiler.measure_comm(mesh, [args.size, 16 * args.size], args.density,
+      _, raw = profiling.measure_comm(mesh, [args.size, 16 * args.size], args.density,
                                      repeats=args.repeats, chain=chain)
       rows += latency_rows(raw["latency"], p)
   if jax.process_index() == 0:
@@ -96,9 +97,10 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   if args.worker_out:
     return worker(args)
-  from dlgs_jax import cluster, launch
+  from dlgs_jax.cluster import netns
+  from dlgs_jax.cluster import launch
 
-  cluster.exit_if_unavailable()
+  netns.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   raw = out / "latency_raw.json"
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
   child = ["--chains", args.chains, "--passes", str(args.passes), "--size", str(args.size),
            "--density", str(args.density), "--repeats", str(args.repeats),
            "--worker-out", str(raw)]
-  with cluster.EmulatedCluster(args.workers, args.bandwidth) as c:
+  with netns.EmulatedCluster(args.workers, args.bandwidth) as c:
     status = launch.launch(args.workers, child, grace=5, module="latency_probe",
                            coordinator=c.coordinator(), wrap=c.wrap, extra_env=env)
   if status != 0:

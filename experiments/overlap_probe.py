@@ -5,15 +5,15 @@ while the rest of the backward pass computes; the planner only gains from
 splitting the model into groups when the runtime runs the two at once
 (`timeline.Profile.overlap`). This script builds the emulated cluster
 (`dlgs_jax.cluster`: one network namespace per worker, tbf-shaped links, each
-worker pinned to its share of the cores) and runs `dlgs_jax.benchmark
---overlap-out` on every worker: `profiler.measure_overlap` times, per amount
+worker pinned to its share of the cores) and runs `dlgs_jax.cli.benchmark
+--overlap-out` on every worker: `profiling.measure_overlap` times, per amount
 of work per collective, a program of work only, one of collectives only, one
 interleaving the two with each collective depending on its own work only
 ("independent": it may run under the next pieces of work), and the control
 where each piece waits for the previous collective ("chained"). ``hidden`` is
 the share of the smaller part the independent program hid: 1 fully, 0 not at
 all. The table also gives where the compiler placed the collectives among the
-independent program's instructions (`profiler.collective_schedule`).
+independent program's instructions (`profiling.collective_schedule`).
 
     python experiments/overlap_probe.py                       # P=4 at 1 Gbit/s
     python experiments/overlap_probe.py --rounds 1 --steps 5  # a quick look
@@ -98,21 +98,22 @@ def plot(payload, path) -> None:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from dlgs_jax import cluster, launch
+  from dlgs_jax.cluster import netns
+  from dlgs_jax.cluster import launch
 
-  cluster.exit_if_unavailable()
+  netns.exit_if_unavailable()
   out = Path(args.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   raw = out / "overlap_raw.json"
   command = "python experiments/overlap_probe.py " + " ".join(
       sys.argv[1:] if argv is None else argv)
   started = time.time()
-  with cluster.EmulatedCluster(args.workers, args.bandwidth, pin=not args.unpinned) as c:
+  with netns.EmulatedCluster(args.workers, args.bandwidth, pin=not args.unpinned) as c:
     status = launch.launch(
         args.workers, ["--overlap-out", str(raw), "--overlap-rounds", args.rounds,
                        "--overlap-leaves", str(args.leaves), "--overlap-size", str(args.size),
                        "--steps", str(args.steps)],
-        grace=5, module="dlgs_jax.benchmark", coordinator=c.coordinator(), wrap=c.wrap)
+        grace=5, module="dlgs_jax.cli.benchmark", coordinator=c.coordinator(), wrap=c.wrap)
   if status != 0:
     print(f"the overlap measurement failed with status {status}", file=sys.stderr)
     return 1

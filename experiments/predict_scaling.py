@@ -2,8 +2,8 @@
 
 Measured: each profile's forward, per-layer backward and selection times (see the
 profile's `source`). Predicted: everything that involves the network, from an
-α-β model (`dlgs_jax.profiler.network_comm`), and the iteration times that follow
-from the timeline model. See `dlgs_jax.scaling` for how each method is grouped.
+α-β model (`dlgs_jax.planning.network.network_comm`), and the iteration times that follow
+from the timeline model. See `dlgs_jax.planning.scaling` for how each method is grouped.
 
     python experiments/predict_scaling.py
     python experiments/predict_scaling.py --profiles runs/plan/resnet20_profile.json --density 0.1
@@ -87,11 +87,12 @@ def plot(predictions, methods, path, density):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from dlgs_jax import profiler, scaling
-  from dlgs_jax.timeline import METHODS, Profile
+  from dlgs_jax.planning import network
+  from dlgs_jax.planning import scaling
+  from dlgs_jax.planning.timeline import METHODS, Profile
 
   workers = [int(w) for w in args.workers.split(",")]
-  bandwidths = [profiler.parse_bandwidth(b) for b in args.bandwidths.split(",")]
+  bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   predictions, sources = [], {}

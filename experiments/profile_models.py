@@ -2,7 +2,7 @@
 
 Writes one `timeline.Profile` JSON per model to
 ``experiments/results/profiles/<model>_<backend>.json`` -- the input of
-`predict_scaling.py` and of ``python -m dlgs_jax.plan --profile``. On one device
+`predict_scaling.py` and of ``python -m dlgs_jax.cli.plan --profile``. On one device
 no communication is measured (use ``--bandwidth`` in the consumers).
 
     python experiments/profile_models.py --models resnet20 vgg16 resnet50
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from dlgs_jax import profiler
+from dlgs_jax import profiling
 
 DEFAULT_BATCH = {"resnet20": 32, "vgg16": 32, "resnet50": 64, "smallcnn": 32}
 
@@ -38,7 +38,7 @@ def main(argv=None):
   for name in args.models:
     batch = args.batch_size or DEFAULT_BATCH.get(name, 32)
     image = args.image_size if name == "resnet50" else None
-    profile, details = profiler.profile_model(
+    profile, details = profiling.profile_model(
         name, density=args.density, batch_size=batch, image_size=image, mesh=mesh,
         repeats=args.repeats, progress=lambda m, name=name: print(f"{name}: {m}", flush=True))
     path = out_dir / f"{name}_{backend}.json"

@@ -13,112 +13,116 @@ does not stop the others; the exit status is 1 if any failed.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# Steps that build the emulated cluster (skipped where it cannot be built).
+CLUSTER_STEPS = ("cluster", "compare", "predict", "update_program", "overlap")
+# Environment a step adds to this process's: XLA's CPU scheduler told to interleave.
+STEP_ENV = {"overlap_interleaved": {
+    "XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}}
 ROOT = HERE.parent
+
+
+def compare(model: str, density: float, methods: str, rounds: int, steps: int, *extra: str,
+            warmup=2, plans: str = "", bandwidth: str = "") -> list[str]:
+  """A paired run: `compare_cluster.py` with the settings every report command shares."""
+  e = "experiments/"
+  image = ["--image-size", "32"] if model == "resnet50" else []
+  link = ["--bandwidth", bandwidth] if bandwidth else []
+  plan_dir = ["--plan-dir", e + "results/" + plans] if plans else []
+  warm = ["--warmup", str(warmup)] if warmup is not None else []
+  return [e + "compare_cluster.py", "--model", model, *image, "--density", f"{density:g}", *link,
+          "--methods", methods, *plan_dir, "--rounds", str(rounds), "--steps", str(steps),
+          *warm, *extra]
+
+
+def full_steps() -> list[tuple[str, list[str]]]:
+  """The commands behind experiments/README.md, in its order."""
+  e, r = "experiments/", "experiments/results/"
+  profiled = lambda d, name: ["--profile", f"{r}compare/{d}/{name}", "--measure-profile",  # noqa: E731
+                              "--out-dir", f"{r}compare/{d}"]
+  accuracy_120 = [(f"accuracy_120ep_seed{seed}", [
+      e + "accuracy.py", "--methods", "dense,dlgs-head", "--densities", "0.1", "--epochs", "120",
+      "--seeds", str(seed), "--out-dir", f"runs/accuracy_120ep_seed{seed}",
+      "--runs-dir", "runs/accuracy_120ep"]) for seed in range(4)]
+  return [
+      ("compare_resnet50", compare("resnet50", 0.01, "dense,topk,dlgs,dlgs-paper", 8, 2,
+                                   plans="cluster_resnet50")),
+      ("compare_resnet50_lags_gtopk", compare(
+          "resnet50", 0.01, "dense,lags,gtopk,dlgs-paper", 6, 2, "--out-dir",
+          r + "compare/resnet50_lags_gtopk", plans="cluster_resnet50")),
+      ("compare_vgg16", compare("vgg16", 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-paper", 8, 2,
+                                plans="cluster")),
+      ("compare_resnet20", compare("resnet20", 0.01, "dense,topk,gtopk,dlgs,dlgs-paper", 40, 3,
+                                   warmup=None, plans="cluster_resnet20")),
+      ("compare_vgg16_100mbit", compare(
+          "vgg16", 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-paper", 6, 2,
+          *profiled("vgg16_100mbit", "profile_vgg16_0.01_100mbit.json"), plans="cluster",
+          bandwidth="100mbit")),
+      ("compare_resnet20_100mbit", compare(
+          "resnet20", 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-paper", 20, 3,
+          *profiled("resnet20_100mbit", "profile_resnet20_0.01_100mbit.json"),
+          plans="cluster_resnet20", bandwidth="100mbit")),
+      ("compare_resnet20_100mbit_topk", compare(
+          "resnet20", 0.01, "dense,topk,dlgs-paper", 60, 3, "--out-dir",
+          r + "compare/resnet20_100mbit/topk_pair", plans="cluster_resnet20", bandwidth="100mbit")),
+      ("compare_resnet50_0.1", compare("resnet50", 0.1, "dense,lags,dlgs,dlgs-paper", 6, 2,
+                                       "--out-dir", r + "compare/leafwise_resnet50_0.1",
+                                       plans="cluster_resnet50")),
+      *accuracy_120,
+      ("accuracy_120ep_seeds", [e + "accuracy.py", "--merge", ",".join(
+          f"runs/accuracy_120ep_seed{seed}/results.json" for seed in range(4)),
+          "--out-dir", r + "accuracy_120ep_seeds"]),
+      ("accuracy_60ep_seeds", [e + "accuracy.py", "--methods", "dense,topk,dlgs-head",
+                               "--densities", "0.1", "--epochs", "60", "--seeds", "0,1,2",
+                               "--out-dir", r + "accuracy_60ep_seeds",
+                               "--runs-dir", "runs/accuracy_60ep"]),
+      ("budget_share", [e + "budget_share.py"]),
+      ("accuracy", [e + "accuracy.py", "--methods",
+                    "dense,topk,lags,gtopk,dlgs,dlgs-paper,dlgs-whole1d"]),
+      ("accuracy_head", [e + "accuracy.py", "--methods", "dense,dlgs-head,lags-head",
+                         "--out-dir", r + "accuracy_head"]),
+      ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
+                         "--densities", "0.1", "--epochs", "60", "--out-dir",
+                         r + "accuracy_60ep", "--runs-dir", "runs/accuracy_60ep"]),
+      ("predict_resnet50_0.01", compare(
+          "resnet50", 0.01, "dense,topk,dlgs,dlgs-paper", 8, 2,
+          *profiled("profiled_resnet50_0.01", "profile_resnet50_0.01.json"),
+          plans="cluster_resnet50")),
+      ("predict_resnet20_perleaf", compare(
+          "resnet20", 0.01, "dense,lags,dgc,terngrad", 6, 3,
+          *profiled("resnet20_perleaf", "profile_resnet20_0.01.json"), warmup=1)),
+      ("predict_resnet50_0.1", compare(
+          "resnet50", 0.1, "dense,dlgs-paper,dgc,terngrad", 6, 2, "--profile",
+          r + "compare/profile_resnet50_0.1.json", "--measure-profile")),
+      ("update_program_resnet50", [
+          e + "bench_cluster.py", "--models", "resnet50", "--image-size", "32", "--densities",
+          "0.1", "--methods", "terngrad,dgc", "--steps", "5", "--warmup", "1",
+          "--keep-profiles", "--out-dir", r + "compare/resnet50_update_program"]),
+      ("sparsify", [e + "bench_sparsify.py"]),
+      ("planner", [e + "bench_planner.py", "--profiles", "3"]),
+      ("scaling", [e + "predict_scaling.py"]),
+      ("scaling_0.1", [e + "predict_scaling.py", "--density", "0.1"]),
+      ("overlap", [e + "overlap_probe.py"]),
+      ("overlap_interleaved", [e + "overlap_probe.py", "--out-dir",
+                               r + "overlap_variants/interleaved_schedule"]),
+      ("overlap_unpinned", [e + "overlap_probe.py", "--unpinned", "--out-dir",
+                            r + "overlap_variants/unpinned"]),
+      ("ring", ["-m", "dlgs_jax.sim.ring", "--out-dir", r + "ring"]),
+      ("ring_8", ["-m", "dlgs_jax.sim.ring", "--nodes", "8", "--out-dir", r + "ring/nodes8"]),
+  ]
 
 
 def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
   """(name, argv after the interpreter) of every step."""
   e = "experiments/"
   if full:
-    return [
-        ("sparsify", [e + "bench_sparsify.py"]),
-        ("planner", [e + "bench_planner.py"]),
-        ("scaling", [e + "predict_scaling.py"]),
-        ("ring", ["-m", "dlgs_jax.sim.ring", "--out-dir", e + "results/ring"]),
-        ("cluster", [e + "bench_cluster.py", "--models", "resnet20,vgg16",
-                     "--densities", "0.1,0.01"]),
-        ("cluster_resnet50", [e + "bench_cluster.py", "--models", "resnet50", "--image-size",
-                              "32", "--densities", "0.1,0.01",
-                              "--methods", "dense,dlgs,dlgs-paper,lags,topk,gtopk,dgc,terngrad",
-                              "--out-dir", e + "results/cluster_resnet50"]),
-        ("cluster_resnet20", [e + "bench_cluster.py", "--models", "resnet20", "--densities",
-                              "0.01", "--out-dir", e + "results/cluster_resnet20"]),
-        ("cluster_overlap", [e + "overlap_probe.py"]),
-        ("cluster_latency", [e + "latency_probe.py"]),
-        ("cluster_compare", [e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01",
-                             "--methods", "dense,topk,gtopk,dlgs,dlgs-paper", "--plan-dir",
-                             e + "results/cluster_resnet20", "--rounds", "40", "--steps", "3"]),
-        ("cluster_compare_vgg16", [e + "compare_cluster.py", "--model", "vgg16", "--density",
-                                   "0.01", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-paper",
-                                   "--plan-dir", e + "results/cluster", "--rounds", "8",
-                                   "--steps", "2", "--warmup", "2"]),
-        ("cluster_compare_resnet50", [e + "compare_cluster.py", "--model", "resnet50",
-                                      "--image-size", "32", "--density", "0.01", "--methods",
-                                      "dense,topk,dlgs,dlgs-paper", "--plan-dir",
-                                      e + "results/cluster_resnet50", "--rounds", "8",
-                                      "--steps", "2", "--warmup", "2"]),
-        ("cluster_compare_resnet50_gtopk", [e + "compare_cluster.py", "--model", "resnet50",
-                                            "--image-size", "32", "--density", "0.01",
-                                            "--methods", "dense,gtopk,dlgs-paper", "--plan-dir",
-                                            e + "results/cluster_resnet50", "--rounds", "8",
-                                            "--steps", "2", "--warmup", "2", "--out-dir",
-                                            e + "results/compare/resnet50_gtopk"]),
-        ("cluster_compare_resnet50_lags_gtopk", [
-            e + "compare_cluster.py", "--model", "resnet50", "--image-size", "32", "--density",
-            "0.01", "--methods", "dense,lags,gtopk,dlgs-paper", "--plan-dir",
-            e + "results/cluster_resnet50", "--rounds", "6", "--steps", "2", "--warmup", "2",
-            "--out-dir", e + "results/compare/resnet50_lags_gtopk"]),
-        # Profile (update timed inside the step too) and paired run together: predictions
-        # next to measurements.
-        ("cluster_predict_resnet50_0.1", [e + "compare_cluster.py", "--model", "resnet50",
-                                          "--image-size", "32", "--density", "0.1", "--methods",
-                                          "dense,dlgs-paper,dgc,terngrad", "--rounds", "6",
-                                          "--steps", "2", "--warmup", "2", "--profile",
-                                          e + "results/compare/profile_resnet50_0.1.json",
-                                          "--measure-profile"]),
-        ("cluster_predict_resnet50_0.01", [
-            e + "compare_cluster.py", "--model", "resnet50", "--image-size", "32", "--density",
-            "0.01", "--methods", "dense,topk,dlgs,dlgs-paper", "--plan-dir",
-            e + "results/cluster_resnet50", "--rounds", "8", "--steps", "2", "--warmup", "2",
-            "--profile", e + "results/compare/profiled_resnet50_0.01/profile_resnet50_0.01.json",
-            "--measure-profile", "--out-dir", e + "results/compare/profiled_resnet50_0.01"]),
-        # The 2x target's models on a 10x slower link, with a profile of that link.
-        ("cluster_predict_vgg16_100mbit", [
-            e + "compare_cluster.py", "--model", "vgg16", "--density", "0.01", "--bandwidth",
-            "100mbit", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-paper", "--plan-dir",
-            e + "results/cluster", "--rounds", "6", "--steps", "2", "--warmup", "2",
-            "--profile", e + "results/compare/vgg16_100mbit/profile_vgg16_0.01_100mbit.json",
-            "--measure-profile", "--out-dir", e + "results/compare/vgg16_100mbit"]),
-        ("cluster_predict_resnet20_100mbit", [
-            e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01", "--bandwidth",
-            "100mbit", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-paper", "--plan-dir",
-            e + "results/cluster_resnet20", "--rounds", "20", "--steps", "3", "--warmup", "2",
-            "--profile",
-            e + "results/compare/resnet20_100mbit/profile_resnet20_0.01_100mbit.json",
-            "--measure-profile", "--out-dir", e + "results/compare/resnet20_100mbit"]),
-        ("cluster_compare_resnet20_100mbit_topk", [
-            e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01", "--bandwidth",
-            "100mbit", "--methods", "dense,topk,dlgs-paper", "--plan-dir",
-            e + "results/cluster_resnet20", "--rounds", "60", "--steps", "3", "--warmup", "2",
-            "--out-dir", e + "results/compare/resnet20_100mbit/topk_pair"]),
-        ("cluster_predict_resnet20_perleaf", [
-            e + "compare_cluster.py", "--model", "resnet20", "--density", "0.01", "--methods",
-            "dense,lags,dgc,terngrad", "--rounds", "6", "--steps", "3", "--warmup", "1",
-            "--profile", e + "results/compare/resnet20_perleaf/profile_resnet20_0.01.json",
-            "--measure-profile", "--out-dir", e + "results/compare/resnet20_perleaf"]),
-        ("cluster_update_program_resnet50", [
-            e + "bench_cluster.py", "--models", "resnet50", "--image-size", "32", "--densities",
-            "0.1", "--methods", "terngrad,dgc", "--steps", "5", "--warmup", "1",
-            "--keep-profiles", "--out-dir", e + "results/compare/resnet50_update_program"]),
-        ("accuracy", [e + "accuracy.py"]),
-        ("accuracy_60ep", [e + "accuracy.py", "--methods", "dense,topk,lags,gtopk,dlgs,dlgs-head",
-                           "--densities", "0.1", "--epochs", "60", "--out-dir",
-                           e + "results/accuracy_60ep", "--runs-dir", "runs/accuracy_60ep"]),
-        ("accuracy_60ep_seeds", [e + "accuracy.py", "--methods", "dense,topk,dlgs-head",
-                                 "--densities", "0.1", "--epochs", "60", "--seeds", "0,1,2",
-                                 "--out-dir", e + "results/accuracy_60ep_seeds",
-                                 "--runs-dir", "runs/accuracy_60ep"]),
-        ("accuracy_120ep", [e + "accuracy.py", "--methods", "dense,dlgs-head", "--densities",
-                            "0.1", "--epochs", "120", "--seeds", "1",
-                            "--out-dir", e + "results/accuracy_120ep",
-                            "--runs-dir", "runs/accuracy_120ep"]),
-    ]
+    return full_steps()
   return [
       ("sparsify", [e + "bench_sparsify.py", "--models", "resnet20", "--repeats", "3",
                     "--out", str(out / "bench_sparsify.json")]),
@@ -160,18 +164,21 @@ def main(argv=None) -> int:
       parser.error(f"--only: unknown steps {unknown}; the steps are {names}")
     plan = [(name, argv) for name, argv in plan if name in wanted]
 
-  from dlgs_jax import cluster
+  from dlgs_jax.cluster import netns
   outcomes = []
   for name, step_argv in plan:
-    if name.startswith("cluster"):
-      reason = cluster.unavailable_reason()
+    if name.startswith(CLUSTER_STEPS):
+      reason = netns.unavailable_reason()
       if reason:
         print(f"== {name}: skipped: {reason}", flush=True)
         outcomes.append((name, "skipped", 0.0))
         continue
-    print(f"== {name}: python {' '.join(step_argv)}", flush=True)
+    extra = STEP_ENV.get(name, {})
+    prefix = "".join(f"{k}={v} " for k, v in extra.items())
+    print(f"== {name}: {prefix}python {' '.join(step_argv)}", flush=True)
     started = time.time()
-    status = subprocess.run([sys.executable, *step_argv], cwd=ROOT).returncode
+    status = subprocess.run([sys.executable, *step_argv], cwd=ROOT,
+                            env={**os.environ, **extra}).returncode
     outcomes.append((name, "ok" if status == 0 else f"failed ({status})",
                      time.time() - started))
   print("\n| step | outcome | seconds |\n|---|---|---|")

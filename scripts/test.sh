@@ -4,14 +4,22 @@
 # failure fails. Extra arguments go to pytest (after ours, so `-n 0` runs the
 # tests in this process).
 #
+#   bash scripts/test.sh          # the full suite (what CI runs)
+#   bash scripts/test.sh --fast   # the fast lane: no multi-process, cluster or slow tests
+#
 # One pytest worker per core, at most 4 (pytest-xdist): the suite is mostly
 # compilation, which runs on one core, and its multi-process tests leave a core
-# idle while one process compiles. On 2 cores: 685 s with two workers against
-# 1068 s in one process. The emulated-cluster tests stay on one worker together.
+# idle while one process compiles. The emulated-cluster tests stay on one worker
+# together.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+lane=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  lane=(-m "not multiprocess and not cluster and not slow")
+fi
 bash scripts/setup_env.sh test || exit 1
-.venv/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup "$@"
+.venv/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup "${lane[@]}" "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests for this selection"

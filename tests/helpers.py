@@ -12,7 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dlgs_jax import data, launch, parallel
+from dlgs_jax.workload import data
+from dlgs_jax.cluster import launch
+from dlgs_jax.workload import parallel
 
 
 def worker_mesh(workers: int):

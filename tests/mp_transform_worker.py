@@ -7,7 +7,7 @@ import sys
 
 coordinator, num_processes, process_id, local_devices, out_dir = sys.argv[1:]
 
-from dlgs_jax import distributed  # noqa: E402
+from dlgs_jax.training import distributed  # noqa: E402
 
 distributed.initialize(coordinator, int(num_processes), int(process_id),
                        local_cpu_devices=int(local_devices), platform="cpu")
@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import dlgs_jax  # noqa: E402
-from dlgs_jax import parallel  # noqa: E402
+from dlgs_jax.workload import parallel  # noqa: E402
 
 mesh = parallel.data_mesh()
 workers = mesh.devices.size
@@ -56,8 +56,8 @@ for name, tx in methods.items():
     results[f"{name}/{t}/grads"] = np.concatenate(
         [x.reshape(workers, -1) for x in jax.tree_util.tree_leaves(grads)], axis=1)
 # Rank 0 plans; every process gets its plan (paper Sec. 3.4).
-from dlgs_jax import planner  # noqa: E402
-from dlgs_jax.timeline import LinearCost, Profile  # noqa: E402
+from dlgs_jax.planning import planner  # noqa: E402
+from dlgs_jax.planning.timeline import LinearCost, Profile  # noqa: E402
 
 plan = None
 if jax.process_index() == 0:

@@ -78,103 +78,113 @@ def simulate_reduce_scatter(nodes: int, T: float, T_trans: float, delta: float =
     raise ValueError(f"slow_node must be in [0, {nodes}), got {slow_node!r}")
   if slow_ops not in ("first", "all"):
     raise ValueError(f"slow_ops must be 'first' or 'all', got {slow_ops!r}")
-  p = nodes
+  return _RingSimulation(nodes, T, T_trans, delta, slow_node, alpha, slow_ops).run()
 
-  def chunk_of(node, op):
-    return (node - op - 1) % p
 
-  def needed(node, chunk):
+class _RingSimulation:
+  """The event queue and every node's progress through its P - 1 operations."""
+
+  def __init__(self, p, T, T_trans, delta, slow_node, alpha, slow_ops):
+    self.p, self.T, self.T_trans, self.delta = p, T, T_trans, delta
+    self.slow_node, self.alpha, self.slow_ops = slow_node, alpha, slow_ops
+    self.received = {}          # (node, chunk) -> set of contributions received
+    self.skipped = set()        # (node, chunk) skipped by the strategy
+    self.next_op = [0] * p
+    self.busy = [False] * p
+    self.op_start: dict[tuple[int, int], float] = {}
+    self.chunk_done = [math.nan] * p
+    self.ops, self.skips = [], 0
+    self.events: list = []
+    self.order = itertools.count()
+
+  def chunk_of(self, node, op):
+    return (node - op - 1) % self.p
+
+  def needed(self, node, chunk):
     """Contributions node must hold before reducing chunk: the nodes before it on the path."""
-    return frozenset((chunk + j) % p for j in range((node - chunk) % p))
+    return frozenset((chunk + j) % self.p for j in range((node - chunk) % self.p))
 
-  def op_time(node, op):
-    slow = node == slow_node and (slow_ops == "all" or op == 0)
-    return T + (delta if slow else 0.0)
+  def op_time(self, node, op):
+    slow = node == self.slow_node and (self.slow_ops == "all" or op == 0)
+    return self.T + (self.delta if slow else 0.0)
 
-  received = {}          # (node, chunk) -> set of contributions received
-  skipped = set()        # (node, chunk) skipped by the strategy
-  next_op = [0] * p
-  busy = [False] * p
-  op_start: dict[tuple[int, int], float] = {}
-  chunk_done = [math.nan] * p
-  ops, skips = [], 0
-  events: list = []
-  order = itertools.count()
+  def push(self, time, kind, *payload):
+    heapq.heappush(self.events, (time, next(self.order), kind, payload))
 
-  def push(time, kind, *payload):
-    heapq.heappush(events, (time, next(order), kind, payload))
-
-  def deadline(node, op):
+  def deadline(self, node, op):
     """When `node` gives up waiting for operation `op`'s input (None: it waits)."""
-    if alpha is None or op == 0 or (node + 1) % p == chunk_of(node, op):
+    if self.alpha is None or op == 0 or (node + 1) % self.p == self.chunk_of(node, op):
       return None  # the plain ring, a node's own first send, or a chunk it owns
-    previous = op_start.get((node, op - 1))
-    return None if previous is None else previous + alpha * T + T_trans
+    previous = self.op_start.get((node, op - 1))
+    return None if previous is None else previous + self.alpha * self.T + self.T_trans
 
-  def send(time, src, chunk, parts):
-    dest = (src + 1) % p
-    arrival = time + T_trans
-    op = (dest - chunk - 1) % p
-    limit = deadline(dest, op)
-    if (dest, chunk) in skipped or (limit is not None and arrival > limit
-                                    and next_op[dest] <= op):
-      dest = (dest + 1) % p  # the next node gave up on us: go straight past it
-    push(arrival, "arrive", dest, chunk, frozenset(parts))
+  def send(self, time, src, chunk, parts):
+    dest = (src + 1) % self.p
+    arrival = time + self.T_trans
+    op = (dest - chunk - 1) % self.p
+    limit = self.deadline(dest, op)
+    if (dest, chunk) in self.skipped or (limit is not None and arrival > limit
+                                         and self.next_op[dest] <= op):
+      dest = (dest + 1) % self.p  # the next node gave up on us: go straight past it
+    self.push(arrival, "arrive", dest, chunk, frozenset(parts))
 
-  def try_start(node, now):
-    nonlocal skips
-    while not busy[node] and next_op[node] < p - 1:
-      op = next_op[node]
-      chunk = chunk_of(node, op)
-      have = received.get((node, chunk), frozenset())
-      if have >= needed(node, chunk):
-        busy[node] = True
-        op_start[(node, op)] = now
-        end = now + op_time(node, op)
-        ops.append((node, chunk, now, end))
-        push(end, "finish", node, op)
+  def try_start(self, node, now):
+    while not self.busy[node] and self.next_op[node] < self.p - 1:
+      op = self.next_op[node]
+      chunk = self.chunk_of(node, op)
+      have = self.received.get((node, chunk), frozenset())
+      if have >= self.needed(node, chunk):
+        self.busy[node] = True
+        self.op_start[(node, op)] = now
+        end = now + self.op_time(node, op)
+        self.ops.append((node, chunk, now, end))
+        self.push(end, "finish", node, op)
         return
-      limit = deadline(node, op)
+      limit = self.deadline(node, op)
       if limit is None:
         return
       if now < limit:
-        push(limit, "deadline", node, op)
+        self.push(limit, "deadline", node, op)
         return
       # Give up: forward our own part (and whatever arrived) and move on.
-      skipped.add((node, chunk))
-      skips += 1
-      op_start[(node, op)] = now
-      send(now, node, chunk, have | {node})
-      next_op[node] += 1
+      self.skipped.add((node, chunk))
+      self.skips += 1
+      self.op_start[(node, op)] = now
+      self.send(now, node, chunk, have | {node})
+      self.next_op[node] += 1
 
-  for node in range(p):
-    send(0.0, node, node, {node})
-  while events:
-    now, _, kind, payload = heapq.heappop(events)
+  def handle(self, now, kind, payload):
     if kind == "arrive":
       node, chunk, parts = payload
-      if (node, chunk) in skipped:  # a chain of skips: pass it on
-        send(now, node, chunk, parts)
-        continue
-      received[(node, chunk)] = received.get((node, chunk), frozenset()) | parts
-      try_start(node, now)
+      if (node, chunk) in self.skipped:  # a chain of skips: pass it on
+        self.send(now, node, chunk, parts)
+        return
+      self.received[(node, chunk)] = self.received.get((node, chunk), frozenset()) | parts
+      self.try_start(node, now)
     elif kind == "finish":
       node, op = payload
-      busy[node] = False
-      next_op[node] += 1
-      chunk = chunk_of(node, op)
-      if (node + 1) % p == chunk:
-        chunk_done[chunk] = now
+      self.busy[node] = False
+      self.next_op[node] += 1
+      chunk = self.chunk_of(node, op)
+      if (node + 1) % self.p == chunk:
+        self.chunk_done[chunk] = now
       else:
-        send(now, node, chunk, received[(node, chunk)] | {node})
-      try_start(node, now)
+        self.send(now, node, chunk, self.received[(node, chunk)] | {node})
+      self.try_start(node, now)
     else:  # deadline
       node, op = payload
-      if next_op[node] == op:
-        try_start(node, now)
-  if any(math.isnan(t) for t in chunk_done):
-    raise RuntimeError(f"simulation ended with unfinished chunks: {chunk_done}")
-  return RingResult(max(chunk_done), chunk_done, skips, ops)
+      if self.next_op[node] == op:
+        self.try_start(node, now)
+
+  def run(self) -> RingResult:
+    for node in range(self.p):
+      self.send(0.0, node, node, {node})
+    while self.events:
+      now, _, kind, payload = heapq.heappop(self.events)
+      self.handle(now, kind, payload)
+    if any(math.isnan(t) for t in self.chunk_done):
+      raise RuntimeError(f"simulation ended with unfinished chunks: {self.chunk_done}")
+    return RingResult(max(self.chunk_done), self.chunk_done, self.skips, self.ops)
 
 
 def saved_time_closed_form(T: float, T_trans: float, delta: float, alpha: float) -> float:
@@ -196,7 +206,6 @@ def late_chunk_saving(nodes, T, T_trans, delta, alpha, slow_node=1, slow_ops="fi
   return base.chunk_done[chunk], strat.chunk_done[chunk]
 
 
-# ------------------------------------------------------------------- CLI ---
 
 def _seconds(text: str) -> float:
   units = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -224,7 +233,7 @@ def _bytes(text: str) -> float:
 
 
 def main(argv=None) -> int:
-  from dlgs_jax.profiler import parse_bandwidth
+  from dlgs_jax.planning.network import parse_bandwidth
 
   parser = argparse.ArgumentParser(prog="python -m dlgs_jax.sim.ring",
                                    description="Slow-node ring reduce-scatter study (seed 002).")

@@ -47,4 +47,4 @@ fi
 python="${DLGS_PYTHON:-$here/.venv/bin/python}"
 export DLGS_NUM_PROCESSES="$DLGS_NUM_NODES"
 export DLGS_PROCESS_ID="$DLGS_NODE_RANK"
-exec "$python" -m dlgs_jax.train "$@"
+exec "$python" -m dlgs_jax.cli.train "$@"

@@ -1,0 +1,7 @@
+"""``python -m dlgs_jax.cluster``: the emulated cluster's command line."""
+
+import sys
+
+from dlgs_jax.cluster import netns
+
+sys.exit(netns.main())

@@ -1,0 +1,126 @@
+"""Argument checks and the non-finite skip shared by every transform of `compress`.
+
+Non-finite gradients: when any worker's gradient contains a NaN or an infinity,
+every worker skips the step; `unless_nonfinite` selects between the exchange's
+result and the skip's, so each group's collective waits for its own gradients
+only. `as_varying` gives both results the types shard_map's checks expect.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dlgs_jax.compress import engine
+
+
+def check_density(density) -> float:
+  if (isinstance(density, bool) or not isinstance(density, numbers.Real)
+      or not 0.0 < float(density) <= 1.0):
+    raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+  return float(density)
+
+
+def check_collective(collective) -> str:
+  if collective not in engine.SPARSE_COLLECTIVES:
+    raise ValueError(
+        f"unknown collective {collective!r}; expected one of {engine.SPARSE_COLLECTIVES}")
+  return collective
+
+
+def check_groups(groups, order):
+  """Accepts leaf-path groups or a plan-like object with ``.groups``/``.order``."""
+  if groups is not None and hasattr(groups, "groups"):
+    order = getattr(groups, "order", None) if order is None else order
+    groups = groups.groups
+  if groups is not None:
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+      raise ValueError(f"groups must be a list of lists of leaf paths, got {groups!r}")
+    for group in groups:
+      if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+        raise ValueError(f"each group must be a list of leaf paths, got {group!r}")
+    groups = [list(group) for group in groups]
+  if order is not None:
+    if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
+      raise ValueError(f"order must be a list of leaf paths, got {order!r}")
+    order = list(order)
+  return groups, order
+
+
+def check_min_ndim(min_ndim) -> int:
+  if isinstance(min_ndim, bool) or not isinstance(min_ndim, numbers.Integral) or min_ndim < 0:
+    raise ValueError(f"min_ndim must be an integer >= 0, got {min_ndim!r}")
+  return int(min_ndim)
+
+
+def check_send_whole(send_whole) -> frozenset:
+  if isinstance(send_whole, (str, bytes)) or not isinstance(send_whole, Sequence) or not all(
+      isinstance(path, str) for path in send_whole):
+    raise ValueError(f"send_whole must be a list of leaf paths, got {send_whole!r}")
+  return frozenset(send_whole)
+
+
+def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
+  bad = sum(jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in leaves)
+  if axis_name is not None:
+    bad = lax.psum(bad, axis_name)
+  return bad == 0
+
+
+def unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name,
+                      communicate, skip):
+  """``communicate()`` if every worker's `grads` are finite, else ``skip()``.
+
+  With `skip_nonfinite` False: ``communicate()``, no check.
+
+  Both run, and the flag selects between their results leaf by leaf (as
+  `optax.apply_if_finite` does), rather than a `lax.cond` running one of them:
+  a cond's branches start only once its predicate is known, and the predicate
+  needs every gradient of every worker, so every collective inside would wait
+  for the end of the backward pass. Selected, a group's collective depends on
+  that group's gradients only, and a backend with asynchronous collectives can
+  run it while the backward pass goes on (the wait-free backpropagation DLGS
+  pipelines with, Sec. 3 of the paper). On a skipped step the exchange's
+  results, NaNs included, are discarded; every exchange has a fixed amount of
+  work (bounded loops), so non-finite values cannot stall it.
+
+  Args:
+    skip_nonfinite: the transform's setting of that name.
+    grads: this worker's gradient leaves.
+    axis_name: the data axis (None: one worker).
+    communicate, skip: functions of no argument returning pytrees of equal
+      structure, shapes and dtypes.
+  """
+  if not skip_nonfinite:
+    return communicate()
+  finite = all_finite(grads, axis_name)
+  return jax.tree_util.tree_map(lambda sent, kept: jnp.where(finite, sent, kept),
+                                communicate(), skip())
+
+
+def as_varying(tree, axis_name):
+  """Marks every leaf as varying over `axis_name` (shard_map's check_vma types).
+
+  The skip and communicate results `unless_nonfinite` selects between must have
+  equal types; the per-worker state is varying by nature, so everything is made
+  varying.
+  Without type checking (``check_vma=False``) this is a no-op.
+  """
+  if axis_name is None:
+    return tree
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+  def cast(x):
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    varying = manual.varying if manual is not None else getattr(aval, "vma", None)
+    if varying is None:
+      return x
+    missing = tuple(a for a in axes if a not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree_util.tree_map(cast, tree)

@@ -1,0 +1,333 @@
+"""Every method, declared once: its factory, its options, how it is priced and planned.
+
+`METHODS` maps a method's name to its `Method`; `VARIANTS` names settings of a
+method that experiments compare (``dlgs-paper`` is DLGS on the paper's fixed
+threshold schedule). A `MethodConfig` is one method with its options; it
+builds the compressor:
+
+    config = method_config("dlgs-paper", density=0.01)
+    tx = config.compressor(axis_name="data", order=order)
+
+The command line, the profiler, the planner, the scaling predictions, the
+benchmarks and the experiments read these tables instead of keeping their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence
+
+import optax
+
+from dlgs_jax.compress import grouping, wire
+from dlgs_jax.compress.deep_gradient_compression import dgc
+from dlgs_jax.compress.ternary import terngrad
+from dlgs_jax.compress.transforms import dense, dlgs, gtopk, lags, topk
+
+
+class ConfigError(ValueError):
+  """A bad option value: names the option, the value and the rule it breaks."""
+
+  def __init__(self, option: str, value, rule: str):
+    super().__init__(f"{option} {value!r} is invalid: {rule}")
+    self.option, self.value, self.rule = option, value, rule
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodConfig:
+  """One method and its options (each method reads only the options it takes).
+
+  Attributes:
+    name: a key of `METHODS`.
+    density: fraction of values sent (the sparse methods).
+    reuse_every: DLGS: exact thresholds every this many steps.
+    refresh_below: DLGS: recompute a reused threshold early when it passes
+      fewer than this fraction of k (or overflows); None: the paper's schedule.
+    min_ndim: LAGS/DLGS: leaves with fewer dimensions are sent whole.
+    send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
+      layer (found from the backward order).
+    collective: LAGS/DLGS: ``"allgather"`` or ``"gtopk"``.
+    dgc_warmup_epochs: DGC: epochs of exponential density warm-up.
+    terngrad_clip: TernGrad: clip at this many standard deviations (0: none).
+  """
+  name: str = "dlgs"
+  density: float = 0.01
+  reuse_every: int = 10
+  refresh_below: Optional[float] = 0.5
+  min_ndim: int = 0
+  send_whole: tuple[str, ...] = ()
+  collective: str = "allgather"
+  dgc_warmup_epochs: float = 4.0
+  terngrad_clip: float = 2.5
+
+  def __post_init__(self):
+    object.__setattr__(self, "send_whole", tuple(self.send_whole))
+
+  @property
+  def spec(self) -> "Method":
+    return METHODS[self.name]
+
+  def validate(self) -> "MethodConfig":
+    """Raises `ConfigError` naming the first bad option; returns self."""
+    if self.name not in METHODS:
+      raise ConfigError("method", self.name, f"choose from {tuple(METHODS)}")
+    _check_number("density", self.density, 0.0, 1.0, low_open=True)
+    if not isinstance(self.reuse_every, int) or self.reuse_every < 1:
+      raise ConfigError("reuse_every", self.reuse_every, "must be >= 1")
+    if self.refresh_below is not None:
+      _check_number("refresh_below", self.refresh_below, 0.0, 1.0)
+    if self.min_ndim < 0:
+      raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
+    if self.collective not in ("allgather", "gtopk"):
+      raise ConfigError("collective", self.collective, "choose allgather or gtopk")
+    _check_number("dgc_warmup_epochs", self.dgc_warmup_epochs, 0.0, math.inf)
+    _check_number("terngrad_clip", self.terngrad_clip, 0.0, math.inf)
+    layer_wise = self.spec.layer_wise
+    if self.min_ndim and not layer_wise:
+      raise ConfigError("min_ndim", self.min_ndim, f"applies to lags and dlgs, not {self.name}")
+    if self.send_whole and not layer_wise:
+      raise ConfigError("send_whole", ",".join(self.send_whole),
+                        f"applies to lags and dlgs, not {self.name}")
+    return self
+
+  def effective_density(self) -> Optional[float]:
+    """The density the method uses, None for the density-free methods."""
+    return self.density if self.spec.uses_density else None
+
+  def whole_paths(self, order: Sequence[str]) -> list[str]:
+    """The leaf paths sent whole (``send_whole`` resolved against the backward `order`).
+
+    Raises:
+      ConfigError: naming a path the model does not have.
+    """
+    paths = []
+    for name in self.send_whole:
+      for path in (grouping.output_layer(order) if name == "head" else [name]):
+        if path not in order:
+          raise ConfigError("send_whole", ",".join(self.send_whole),
+                            f"the model has no leaf {path!r} (its leaves: "
+                            f"{', '.join(sorted(order))}; or 'head')")
+        if path not in paths:
+          paths.append(path)
+    return paths
+
+  def whole_layers(self, order: Sequence[str], shapes: dict) -> frozenset:
+    """Positions in `order` of the leaves sent whole, for `timeline.MethodCosts`.
+
+    Args:
+      order: every leaf path in backward order (a profile's ``paths``).
+      shapes: leaf path -> shape.
+    """
+    spec = self.spec
+    if spec.whole_below_ndim:
+      return frozenset(i for i, p in enumerate(order) if len(shapes[p]) < spec.whole_below_ndim)
+    if not spec.layer_wise:
+      return frozenset()
+    named = set(self.whole_paths(order))
+    return frozenset(i for i, path in enumerate(order)
+                     if path in named or len(shapes[path]) < self.min_ndim)
+
+  def compressor(self, *, axis_name=None, groups=None, order: Sequence[str] = (),
+                 seed: int = 0, warmup_steps: int = 0, momentum: float = 0.9
+                 ) -> optax.GradientTransformation:
+    """The method's ``optax.GradientTransformation``.
+
+    Args:
+      axis_name: the data-parallel mesh axis, or None outside ``shard_map``.
+      groups: layer groups (lists of leaf paths) for the methods that take them,
+        or None for the method's own grouping (dense: one message).
+      order: leaf paths in backward order.
+      seed: the random methods' seed (DGC's sampling, TernGrad's rounding).
+      warmup_steps: DGC's density warm-up in steps.
+      momentum: DGC's momentum (DGC holds the momentum itself).
+    """
+    self.validate()
+    return self.spec.build(self, _BuildContext(axis_name, groups, list(order), seed,
+                                               warmup_steps, momentum))
+
+
+@dataclasses.dataclass(frozen=True)
+class _BuildContext:
+  axis_name: object
+  groups: Optional[list]
+  order: list
+  seed: int
+  warmup_steps: int
+  momentum: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """What a method is.
+
+  Attributes:
+    name: its key in `METHODS`.
+    summary: one line for help texts.
+    build: ``(MethodConfig, context) -> GradientTransformation``.
+    uses_density: False for the methods ``density`` changes nothing in
+      (experiments run those once).
+    takes_groups: a run may give it planned groups (``--planner``/``--plan``).
+    layer_wise: takes ``min_ndim`` and ``send_whole`` (a budget per leaf).
+    holds_momentum: the optimizer's momentum lives inside it (DGC), so the
+      optimizer chain around it differs.
+    planner_prices: `planning.planner.make_plan` can group it.
+    modelled: the timeline model predicts its iteration time.
+    per_leaf_update: its update sends each leaf as its own message; the
+      profiler fits its cost per leaf.
+    whole_layers: `timeline.MethodCosts` may price some layers as sent whole.
+    whole_below_ndim: leaves of fewer dimensions are always sent whole (DGC: 2).
+    grouping: the planner behind its messages in predictions and benchmarks
+      ("optimal": planned, "wfbp": one per leaf, "single": one for the model).
+    collective: the collective it is priced with: ``"allreduce"``,
+      ``"allgather"`` or ``"gtopk"``.
+    message_bytes: ``(size, k, workers) -> bytes`` the busiest worker sends for
+      a message of `size` values of which `k` are selected (`wire`).
+  """
+  name: str
+  summary: str
+  build: Callable
+  uses_density: bool = True
+  takes_groups: bool = False
+  layer_wise: bool = False
+  holds_momentum: bool = False
+  planner_prices: bool = True
+  modelled: bool = True
+  per_leaf_update: bool = False
+  whole_layers: bool = False
+  whole_below_ndim: int = 0
+  grouping: str = "single"
+  collective: str = "allgather"
+  message_bytes: Callable = lambda size, k, workers: wire.allgather_bytes(k, workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """Named settings of a method that experiments compare.
+
+  Attributes:
+    name: the variant's name (e.g. ``dlgs-paper``).
+    base: the method's name.
+    options: `MethodConfig` fields the variant sets.
+    summary: one line.
+  """
+  name: str
+  base: str
+  options: dict
+  summary: str
+
+
+def _build_dense(c: MethodConfig, ctx: _BuildContext):
+  return dense(axis_name=ctx.axis_name, groups=ctx.groups or [list(ctx.order)], order=ctx.order)
+
+
+def _build_topk(c: MethodConfig, ctx: _BuildContext):
+  return topk(c.density, axis_name=ctx.axis_name)
+
+
+def _build_gtopk(c: MethodConfig, ctx: _BuildContext):
+  return gtopk(c.density, axis_name=ctx.axis_name)
+
+
+def _build_lags(c: MethodConfig, ctx: _BuildContext):
+  return lags(c.density, axis_name=ctx.axis_name, groups=ctx.groups, order=ctx.order,
+              collective=c.collective, min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order))
+
+
+def _build_dlgs(c: MethodConfig, ctx: _BuildContext):
+  return dlgs(c.density, axis_name=ctx.axis_name, reuse_every=c.reuse_every, groups=ctx.groups,
+              order=ctx.order, collective=c.collective, refresh_below=c.refresh_below,
+              min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order))
+
+
+def _build_dgc(c: MethodConfig, ctx: _BuildContext):
+  return dgc(c.density, axis_name=ctx.axis_name, momentum=ctx.momentum,
+             warmup_steps=ctx.warmup_steps, seed=ctx.seed)
+
+
+def _build_terngrad(c: MethodConfig, ctx: _BuildContext):
+  return terngrad(axis_name=ctx.axis_name, clip=c.terngrad_clip or None, seed=ctx.seed)
+
+
+# DGC's buffer per sparsified leaf is ceil(DGC_BAND_UPPER * k) pairs (`dgc`'s default band).
+DGC_BAND_UPPER = 1.3
+
+
+def _dgc_bytes(size: int, k: int, workers: int) -> float:
+  return wire.allgather_bytes(min(size, math.ceil(DGC_BAND_UPPER * k)), workers)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("dense", "all-reduce of everything, fused into planned groups", _build_dense,
+           uses_density=False, takes_groups=True, grouping="optimal", collective="allreduce",
+           message_bytes=lambda size, k, workers: wire.allreduce_bytes(size, workers)),
+    Method("topk", "global top-k of all leaves, all-gathered", _build_topk),
+    Method("lags", "exact top-k per leaf every step (LAGS)", _build_lags, takes_groups=True,
+           layer_wise=True, per_leaf_update=True, whole_layers=True, grouping="wfbp"),
+    Method("gtopk", "global top-k of the sum in log2 P pairwise rounds", _build_gtopk,
+           collective="gtopk", message_bytes=lambda size, k, workers: wire.gtopk_bytes(k, workers)[0]),
+    Method("dlgs", "per-leaf thresholds, exact every reuse_every steps, planned merging",
+           _build_dlgs, takes_groups=True, layer_wise=True, whole_layers=True,
+           grouping="optimal"),
+    Method("dgc", "Deep Gradient Compression (sampled thresholds, momentum correction)",
+           _build_dgc, holds_momentum=True, planner_prices=False, per_leaf_update=True,
+           whole_layers=True, whole_below_ndim=2, grouping="wfbp", message_bytes=_dgc_bytes),
+    Method("terngrad", "TernGrad: stochastic ternary values, 4 per byte", _build_terngrad,
+           uses_density=False, planner_prices=False, per_leaf_update=True, grouping="wfbp",
+           message_bytes=lambda size, k, workers: wire.packed_allgather_bytes(
+               wire.ternary_bytes(size), workers)),
+)}
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("dlgs-paper", "dlgs", {"refresh_below": None}, "the paper's fixed threshold schedule"),
+    Variant("dlgs-whole1d", "dlgs", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
+    Variant("lags-whole1d", "lags", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
+    Variant("dlgs-head", "dlgs", {"send_whole": ("head",)}, "the classifier head sent whole"),
+    Variant("lags-head", "lags", {"send_whole": ("head",)}, "the classifier head sent whole"),
+)}
+
+
+def base_method(name: str) -> str:
+  """The method a method or variant name runs.
+
+  Raises:
+    ValueError: for a name that is neither.
+  """
+  if name in METHODS:
+    return name
+  if name in VARIANTS:
+    return VARIANTS[name].base
+  raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)} or a variant "
+                   f"({', '.join(VARIANTS)})")
+
+
+def method_config(name: str, **options) -> MethodConfig:
+  """The `MethodConfig` of a method or variant; a variant's own options win over `options`."""
+  base = base_method(name)
+  own = VARIANTS[name].options if name in VARIANTS else {}
+  return MethodConfig(name=base, **{**options, **own})
+
+
+def names(*, planner_prices: Optional[bool] = None, modelled: Optional[bool] = None,
+          uses_density: Optional[bool] = None, takes_groups: Optional[bool] = None) -> tuple:
+  """Method names whose declared properties match every given value, in table order."""
+  wanted = {k: v for k, v in dict(planner_prices=planner_prices, modelled=modelled,
+                                  uses_density=uses_density, takes_groups=takes_groups).items()
+            if v is not None}
+  return tuple(m.name for m in METHODS.values()
+               if all(getattr(m, k) == v for k, v in wanted.items()))
+
+
+def configurations(methods: Sequence[str], densities: Sequence[float]) -> list[tuple[str, float]]:
+  """(method, density) pairs an experiment runs: density-free methods once (first density)."""
+  return [(method, density) for density in densities for method in methods
+          if METHODS[base_method(method)].uses_density or density == densities[0]]
+
+
+def _check_number(option: str, value, low: float, high: float, low_open: bool = False) -> None:
+  ok = isinstance(value, (int, float)) and not math.isnan(value) and (
+      (low < value if low_open else low <= value) and value <= high)
+  if not ok:
+    bracket = "(" if low_open else "["
+    raise ConfigError(option, value, f"must be in {bracket}{low:g}, {high:g}]"
+                      if math.isfinite(high) else f"must be >= {low:g}")

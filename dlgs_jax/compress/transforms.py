@@ -1,0 +1,302 @@
+"""Gradient-communication transforms: DLGS and the methods it is compared with.
+
+Every factory returns an `optax.GradientTransformation` whose update runs inside
+`jax.shard_map` over the data axis `axis_name` (``None``: one worker) and
+outputs the *mean over workers* of what was communicated -- identical on every
+worker -- so it composes with any optax optimizer placed after it::
+
+    tx = optax.chain(dlgs_jax.dlgs(0.01, axis_name="data"),
+                     optax.add_decayed_weights(5e-4),
+                     optax.sgd(0.1, momentum=0.9))
+
+The state of each sparse transform holds error-feedback residuals shaped like
+the parameters. It is per worker: inside `shard_map` give it a leading worker
+axis (see `dlgs_jax.workload.parallel`).
+
+Non-finite gradients: when any worker's gradient contains a NaN or an infinity
+(``skip_nonfinite=True``, the default), every worker skips the step -- the
+update is all zeros, the residuals, thresholds and step count are kept, and
+``stats.skipped`` goes up by one. Workers agree through one tiny all-reduce of a
+flag, so they never diverge. Optimizers chained after this transform still see
+the zero update (momentum keeps moving the weights, as it would for a zero
+gradient). The exchange itself runs either way and the flag only chooses its
+result (`common.unless_nonfinite`), so that each group's collective waits for its own
+gradients only.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dlgs_jax.compress import common, engine
+from dlgs_jax.compress.state import CommStats, DenseState, DLGSState, SparseState, empty_stats
+
+
+def _sparse_transform(
+    select: engine.Selection,
+    collective: str,
+    *,
+    axis_name,
+    groups,
+    order,
+    single_group: bool,
+    reuse_every: Optional[int],
+    skip_nonfinite: bool,
+) -> optax.GradientTransformation:
+  """Residual + selection + sparse collective; `reuse_every` enables DLGS thresholds."""
+  with_thresholds = select.kind == "threshold"
+
+  def layout_of(tree):
+    layout = engine.make_layout(tree, groups, order, single_group=single_group)
+    select.check_paths(layout)
+    return layout
+
+  def init_fn(params):
+    layout = layout_of(params)
+    residuals = jax.tree_util.tree_map(jnp.zeros_like, params)
+    count = jnp.zeros((), jnp.int32)
+    stats = empty_stats(len(layout.groups))
+    if with_thresholds:
+      thresholds = jax.tree_util.tree_map(
+          lambda _: jnp.zeros((), jnp.float32), params)
+      return DLGSState(count, residuals, thresholds, stats)
+    return SparseState(count, residuals, stats)
+
+  def update_fn(updates, state, params=None):
+    del params
+    layout = layout_of(updates)
+    engine.check_same_tree(layout, state.residuals, "gradients")
+    grads = jax.tree_util.tree_leaves(updates)
+    old_residuals = jax.tree_util.tree_leaves(state.residuals)
+    accumulated = [e + g.astype(e.dtype) for e, g in zip(old_residuals, grads)]
+    old_thresholds = (jax.tree_util.tree_leaves(state.thresholds)
+                      if with_thresholds else None)
+
+    def communicate():
+      thresholds, packed, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
+      if with_thresholds:
+        thresholds, packed, exact = engine.step_thresholds(
+            select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
+      means, residuals, selected, passed, sent, received = engine.sparse_exchange(
+          layout, select, collective, accumulated, thresholds, axis_name=axis_name,
+          packed=packed)
+      stats = CommStats(sent, received, selected, passed, state.stats.skipped, exact)
+      return common.as_varying((means, residuals, thresholds, stats, state.count + 1), axis_name)
+
+    def skip():
+      means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
+      stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
+      return common.as_varying(
+          (means, list(old_residuals), old_thresholds, stats, state.count), axis_name)
+
+    means, residuals, thresholds, stats, count = common.unless_nonfinite(
+        skip_nonfinite, grads, axis_name, communicate, skip)
+    unflatten = lambda leaves: jax.tree_util.tree_unflatten(layout.treedef, leaves)
+    new_updates = unflatten([m.astype(g.dtype) for m, g in zip(means, grads)])
+    if with_thresholds:
+      return new_updates, DLGSState(count, unflatten(residuals), unflatten(thresholds), stats)
+    return new_updates, SparseState(count, unflatten(residuals), stats)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def dlgs(
+    density: float,
+    *,
+    axis_name=None,
+    reuse_every: int = 10,
+    groups=None,
+    order: Optional[Sequence[str]] = None,
+    collective: str = "allgather",
+    capacity_factor: float = 1.0,
+    refresh_below: Optional[float] = 0.5,
+    min_ndim: int = 0,
+    send_whole: Sequence[str] = (),
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformation:
+  """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
+
+  Per leaf l: ``g = e + grad``; the threshold H_l is the exact k_l-th largest
+  ``|g|`` (``k_l = max(1, ceil(density * size_l))``) on step 0 and every
+  `reuse_every` steps, and reused in between -- the exact top-k that LAGS pays
+  every step is paid once per `reuse_every` steps. Values with ``|g| >= H_l``
+  (and ``g != 0``) are sent; everything else stays in the residual e.
+
+  Refresh rule (our addition; ``refresh_below=None`` gives the paper's fixed
+  schedule): a leaf whose reused threshold would pass fewer than
+  ``refresh_below * k_l`` values, or more than its buffer holds, recomputes
+  its exact threshold on that step. Right after an exact step the sent
+  values leave the residual, so the old threshold passes far fewer than k_l
+  values (ResNet-20, density 0.1, reuse 10: 38% of k on average over two
+  epochs) and training falls behind LAGS; the rule costs one counting pass
+  per leaf and an exact selection only where the threshold drifted.
+
+  Capacity rule: static shapes need a fixed buffer, so leaf l sends at most
+  ``min(size_l, ceil(capacity_factor * k_l))`` values -- the first ones in flat
+  index order when more pass a reused threshold. Values that pass but do not
+  fit stay in the residual (nothing is lost) and ``stats.passed`` exceeds
+  ``stats.selected``. With the default factor 1 a worker never sends more than
+  the density asks for; buffers travel whole, so the bytes on the wire are
+  those of the capacity.
+
+  Args:
+    density: fraction of each leaf sent, in (0, 1].
+    axis_name: data-parallel axis name (or tuple of names); ``None`` = one worker.
+    reuse_every: recompute thresholds exactly every this many steps (>= 1; 1
+      gives exact layer-wise top-k every step).
+    groups: leaf-path groups (contiguous runs in backward order, listed in
+      backward order), each packed into one buffer and sent in one collective;
+      or a plan with ``.groups`` and ``.order``; ``None``: one group per leaf.
+    order: backward order of all leaf paths (`grouping.backward_order`); when
+      given, groups are checked to be contiguous runs of it.
+    collective: "allgather" (all-gather pairs, scatter-add, divide by P) or
+      "gtopk" (gTop-k reduction per group, keeping sum_l k_l values globally).
+    capacity_factor: buffer size per leaf in units of k_l (>= 1).
+    refresh_below: recompute a reused threshold early when it passes fewer
+      than this fraction of k_l (in [0, 1]; 0: only on buffer overflow), or
+      more than the buffer holds; ``None``: never early (the paper).
+    min_ndim: leaves with fewer dimensions are sent whole (every nonzero
+      value, in the same message), as DGC does for biases and normalisation
+      parameters; 0 (the paper): every leaf is sparsified.
+    send_whole: leaf paths (as `grouping.leaf_paths` writes them) sent whole,
+      every nonzero value in the same message: typically the classifier head
+      (`grouping.output_layer`), which a per-layer budget starves; () (the
+      paper): none. Checked against the tree at init.
+    skip_nonfinite: skip steps with non-finite gradients (module docstring).
+
+  Returns:
+    An `optax.GradientTransformation` with state `DLGSState`.
+
+  Raises:
+    ValueError: for a bad argument (at construction) or bad groups / a tree that
+      does not match the state (at init/update).
+  """
+  density = common.check_density(density)
+  if (isinstance(reuse_every, bool) or not isinstance(reuse_every, numbers.Integral)
+      or reuse_every < 1):
+    raise ValueError(f"reuse_every must be an integer >= 1, got {reuse_every!r}")
+  if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+      or not capacity_factor >= 1.0):
+    raise ValueError(f"capacity_factor must be a number >= 1, got {capacity_factor!r}")
+  if refresh_below is not None and (
+      isinstance(refresh_below, bool) or not isinstance(refresh_below, numbers.Real)
+      or not 0.0 <= refresh_below <= 1.0):
+    raise ValueError(f"refresh_below must be in [0, 1] or None, got {refresh_below!r}")
+  groups, order = common.check_groups(groups, order)
+  return _sparse_transform(
+      engine.Selection("threshold", density, float(capacity_factor),
+                       None if refresh_below is None else float(refresh_below),
+                       common.check_min_ndim(min_ndim), common.check_send_whole(send_whole)),
+      common.check_collective(collective), axis_name=axis_name, groups=groups,
+      order=order, single_group=False, reuse_every=int(reuse_every),
+      skip_nonfinite=skip_nonfinite)
+
+
+def lags(
+    density: float,
+    *,
+    axis_name=None,
+    groups=None,
+    order: Optional[Sequence[str]] = None,
+    collective: str = "allgather",
+    min_ndim: int = 0,
+    send_whole: Sequence[str] = (),
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformation:
+  """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
+
+  Exact ``lax.top_k`` of every leaf on every step, with error-feedback
+  residuals. Arguments as in `dlgs`; state `SparseState`.
+  """
+  density = common.check_density(density)
+  groups, order = common.check_groups(groups, order)
+  return _sparse_transform(
+      engine.Selection("layer_topk", density, min_ndim=common.check_min_ndim(min_ndim),
+                       whole_paths=common.check_send_whole(send_whole)),
+      common.check_collective(collective),
+      axis_name=axis_name, groups=groups, order=order, single_group=False,
+      reuse_every=None, skip_nonfinite=skip_nonfinite)
+
+
+def topk(
+    density: float, *, axis_name=None, skip_nonfinite: bool = True
+) -> optax.GradientTransformation:
+  """Top-k S-SGD: one global top-k over all leaves, all-gathered (O(kP) traffic).
+
+  ``k = max(1, ceil(density * total_size))``; unsent values stay in the
+  residuals. State `SparseState`.
+  """
+  density = common.check_density(density)
+  return _sparse_transform(
+      engine.Selection("group_topk", density), "allgather", axis_name=axis_name,
+      groups=None, order=None, single_group=True, reuse_every=None,
+      skip_nonfinite=skip_nonfinite)
+
+
+def gtopk(
+    density: float, *, axis_name=None, skip_nonfinite: bool = True
+) -> optax.GradientTransformation:
+  """gTop-k S-SGD (Shi et al., ICDCS 2019): global top-k of the *sum* over workers.
+
+  Each worker offers its local top-k; ``collectives.gtopk_mean`` agrees on the
+  global top-k indices in log2(P) pairwise rounds and then all-reduces the
+  exact values there (k values), so a worker moves O(k log P) values, and no
+  gradient mass is lost. State `SparseState`.
+  """
+  density = common.check_density(density)
+  return _sparse_transform(
+      engine.Selection("group_topk", density), "gtopk", axis_name=axis_name,
+      groups=None, order=None, single_group=True, reuse_every=None,
+      skip_nonfinite=skip_nonfinite)
+
+
+def dense(
+    *,
+    axis_name=None,
+    groups=None,
+    order: Optional[Sequence[str]] = None,
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformation:
+  """Dense mean all-reduce with tensor fusion: one collective per group.
+
+  ``groups=None`` fuses each leaf alone (wait-free backprop); pass
+  ``[all paths]`` for one fused buffer. State `DenseState`.
+  """
+  groups, order = common.check_groups(groups, order)
+
+  def layout_of(tree):
+    return engine.make_layout(tree, groups, order)
+
+  def init_fn(params):
+    return DenseState(jnp.zeros((), jnp.int32), empty_stats(len(layout_of(params).groups)))
+
+  def update_fn(updates, state, params=None):
+    del params
+    layout = layout_of(updates)
+    grads = jax.tree_util.tree_leaves(updates)
+    num_groups = len(layout.groups)
+
+    def communicate():
+      means, sent, received = engine.dense_exchange(layout, grads, axis_name=axis_name)
+      sizes = jnp.asarray([layout.group_size(g) for g in range(num_groups)], jnp.int32)
+      stats = CommStats(sent, received, sizes, sizes, state.stats.skipped,
+                        jnp.zeros((), jnp.int32))
+      return common.as_varying((means, stats, state.count + 1), axis_name)
+
+    def skip():
+      means = [jnp.zeros_like(g) for g in grads]
+      stats = empty_stats(num_groups)._replace(skipped=state.stats.skipped + 1)
+      return common.as_varying((means, stats, state.count), axis_name)
+
+    means, stats, count = common.unless_nonfinite(
+        skip_nonfinite, grads, axis_name, communicate, skip)
+    new_updates = jax.tree_util.tree_unflatten(
+        layout.treedef, [m.astype(g.dtype) for m, g in zip(means, grads)])
+    return new_updates, DenseState(count, stats)
+
+  return optax.GradientTransformation(init_fn, update_fn)

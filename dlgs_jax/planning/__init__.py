@@ -1,0 +1,4 @@
+"""The timeline model, the planners that merge layers into messages, and predictions.
+
+Imports only `dlgs_jax.compress`.
+"""

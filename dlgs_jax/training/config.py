@@ -1,0 +1,273 @@
+"""A training run described as data: immutable configs that build the run's parts.
+
+`RunConfig` holds one section per concern (model, data, method, optimizer,
+schedule, planning, processes, checkpoints). It is what ``dlgs-train``'s flags
+turn into, what a config file holds (JSON, or a Python file whose
+``get_config()`` returns a `RunConfig`, as big_vision does), and what is written
+to the workdir as ``config.json``:
+
+    config = RunConfig(model=ModelConfig("resnet20"),
+                       method=method_config("dlgs-paper", density=0.01))
+    config = config.replace(schedule=ScheduleConfig(epochs=4))
+    train(config)   # dlgs_jax.training.loop
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from dlgs_jax.compress.methods import ConfigError, MethodConfig
+from dlgs_jax.compress.optimizer import OptimizerConfig
+
+PLANNERS = ("none", "wfbp", "single", "greedy", "optimal")
+DATASETS = ("auto", "cifar10", "imagefolder", "synthetic")
+CIFAR_MODELS = ("smallcnn", "resnet20", "vgg16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """name: smallcnn, resnet20, vgg16 or resnet50; sync_bn: BatchNorm statistics synchronised."""
+  name: str = "resnet20"
+  sync_bn: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """The dataset and how it is batched.
+
+  Attributes:
+    dataset: auto (CIFAR models: cifar10; resnet50: imagefolder), cifar10,
+      imagefolder or synthetic.
+    data_dir: cifar-10-batches-py/ or an image folder with train/ and val/;
+      None for CIFAR: the real subset embedded in the package.
+    image_size: input side (imagefolder/synthetic); None: the model's.
+    synthetic_examples: training examples with synthetic data.
+    batch_size: examples per worker per step.
+    eval_batch_size: examples per evaluation batch.
+    augment: random crop and flip.
+  """
+  dataset: str = "auto"
+  data_dir: Optional[str] = None
+  image_size: Optional[int] = None
+  synthetic_examples: int = 2048
+  batch_size: int = 32
+  eval_batch_size: int = 500
+  augment: bool = True
+
+  def kind(self, model: str) -> str:
+    """The dataset `auto` resolves to for `model`."""
+    if self.dataset != "auto":
+      return self.dataset
+    return "cifar10" if model in CIFAR_MODELS else "imagefolder"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+  """How long the run is and when the learning rate drops.
+
+  Attributes:
+    epochs: epochs in all.
+    steps: steps in all (None: every epoch).
+    lr_decay_epochs: epochs after which lr is divided by 10; None: after 4/7
+      and 6/7 of the steps (the paper's 80 and 120 of 140 epochs).
+  """
+  epochs: int = 2
+  steps: Optional[int] = None
+  lr_decay_epochs: Optional[tuple[float, ...]] = None
+
+  def __post_init__(self):
+    if self.lr_decay_epochs is not None:
+      object.__setattr__(self, "lr_decay_epochs", tuple(self.lr_decay_epochs))
+
+  def total_steps(self, steps_per_epoch: int) -> int:
+    return self.epochs * steps_per_epoch if self.steps is None else self.steps
+
+  def decay_boundaries(self, steps_per_epoch: int, total_steps: int) -> list[int]:
+    """Steps after which the learning rate is divided by 10."""
+    if self.lr_decay_epochs is not None:
+      return sorted(int(round(e * steps_per_epoch)) for e in self.lr_decay_epochs)
+    return [int(round(total_steps * 4 / 7)), int(round(total_steps * 6 / 7))]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """Layer merging for the methods that take groups (dense, LAGS, DLGS).
+
+  Attributes:
+    planner: none, wfbp, single, greedy or optimal; none: dense fuses
+      everything into one message, LAGS/DLGS send each leaf alone.
+    plan: a plan JSON (from ``dlgs-plan``) instead of planning.
+    profile: plan from this profile JSON instead of measuring one.
+    bandwidth: plan for a modelled network of this link bandwidth (e.g. 1gbit).
+    latency: per-step latency with ``bandwidth``, seconds.
+  """
+  planner: str = "none"
+  plan: Optional[str] = None
+  profile: Optional[str] = None
+  bandwidth: Optional[str] = None
+  latency: float = 25e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig:
+  """Processes and devices (`jax.distributed`); None: from the environment.
+
+  Attributes:
+    workers: use the first N devices of all processes (None: all).
+    coordinator: host:port of process 0.
+    num_processes: process count.
+    process_id: this process's id.
+    local_devices: simulated CPU devices in this process (CPU only).
+  """
+  workers: Optional[int] = None
+  coordinator: Optional[str] = None
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+  local_devices: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Where the run writes, and when it saves and checks itself.
+
+  Attributes:
+    workdir: metrics, summary, plan, config and checkpoints go here.
+    resume: continue from the latest checkpoint in workdir.
+    checkpoint_every: save every N steps (0: at the end of every epoch).
+    keep: checkpoints kept.
+    stop_after: leave after this many steps of this run with a checkpoint
+      (time-limited jobs); 0: run to the end.
+    check_every: verify every N steps that all workers hold identical
+      parameters (0: only at the start and end).
+  """
+  workdir: str = "runs/train"
+  resume: bool = False
+  checkpoint_every: int = 0
+  keep: int = 3
+  stop_after: int = 0
+  check_every: int = 100
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig,
+            "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "plan": PlanConfig,
+            "processes": ProcessConfig, "checkpoint": CheckpointConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything one training run needs; immutable (change it with `replace`)."""
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  method: MethodConfig = MethodConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  schedule: ScheduleConfig = ScheduleConfig()
+  plan: PlanConfig = PlanConfig()
+  processes: ProcessConfig = ProcessConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  seed: int = 0
+
+  def replace(self, **changes) -> "RunConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+    """The config a `to_dict` (or a hand-written subset of it) describes.
+
+    Raises:
+      ConfigError: naming an unknown section or option.
+    """
+    kwargs = {}
+    for key, value in data.items():
+      if key == "seed":
+        kwargs["seed"] = value
+      elif key in SECTIONS:
+        section = SECTIONS[key]
+        known = {f.name for f in dataclasses.fields(section)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+          raise ConfigError(f"{key}", unknown, f"unknown options; {key} takes {sorted(known)}")
+        kwargs[key] = section(**value)
+      else:
+        raise ConfigError("config", key, f"unknown section; sections: {sorted(SECTIONS)}, seed")
+    return cls(**kwargs)
+
+  def validate(self) -> "RunConfig":
+    """Raises `ConfigError` naming the first bad value, before any work starts."""
+    self.method.validate()
+    self.optimizer.validate()
+    _validate_run(self)
+    return self
+
+
+def _validate_run(config: RunConfig) -> None:
+  plan, data, schedule, ckpt = config.plan, config.data, config.schedule, config.checkpoint
+  if plan.planner not in PLANNERS:
+    raise ConfigError("planner", plan.planner, f"choose from {PLANNERS}")
+  if data.dataset not in DATASETS:
+    raise ConfigError("dataset", data.dataset, "choose auto, cifar10, imagefolder or synthetic")
+  for option, value, low in (("epochs", schedule.epochs, 1), ("batch_size", data.batch_size, 1),
+                             ("keep", ckpt.keep, 1),
+                             ("checkpoint_every", ckpt.checkpoint_every, 0),
+                             ("stop_after", ckpt.stop_after, 0),
+                             ("check_every", ckpt.check_every, 0),
+                             ("eval_batch_size", data.eval_batch_size, 1),
+                             ("synthetic_examples", data.synthetic_examples, 1)):
+    if value < low:
+      raise ConfigError(option, value, f"must be >= {low}")
+  if schedule.steps is not None and schedule.steps < 1:
+    raise ConfigError("steps", schedule.steps, "must be >= 1")
+  if schedule.lr_decay_epochs is not None and not all(
+      isinstance(e, (int, float)) and math.isfinite(e) for e in schedule.lr_decay_epochs):
+    raise ConfigError("lr_decay_epochs", schedule.lr_decay_epochs, "give numbers")
+  method = config.method
+  if not method.spec.takes_groups and (plan.planner != "none" or plan.plan):
+    raise ConfigError("planner/--plan", plan.plan or plan.planner,
+                      f"planning applies to dense, lags and dlgs, not {method.name}")
+  if plan.plan and plan.planner != "none":
+    raise ConfigError("plan", plan.plan, "give either --plan or --planner, not both")
+
+
+def load_config(path: str) -> RunConfig:
+  """A config file: JSON (`RunConfig.to_dict`'s layout, any subset) or Python with ``get_config()``.
+
+  Raises:
+    ConfigError: for a file that cannot be read or holds no valid config.
+  """
+  file = Path(path)
+  if not file.is_file():
+    raise ConfigError("config", path, "no such file")
+  if file.suffix == ".py":
+    spec = importlib.util.spec_from_file_location("dlgs_run_config", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = getattr(module, "get_config", lambda: None)()
+    if not isinstance(config, RunConfig):
+      raise ConfigError("config", path, "a Python config file defines get_config() returning "
+                        "a RunConfig")
+    return config
+  try:
+    data = json.loads(file.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError("config", path, f"not JSON ({e})") from None
+  if not isinstance(data, dict):
+    raise ConfigError("config", path, "a JSON config is an object of sections")
+  return RunConfig.from_dict(data)
+
+
+def with_overrides(config: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
+  """`config` with some options replaced: ``{"method": {"density": 0.1}, "seed": {"seed": 1}}``."""
+  changes = {}
+  for section, values in overrides.items():
+    if section == "seed":
+      changes["seed"] = values["seed"]
+    else:
+      changes[section] = dataclasses.replace(getattr(config, section), **values)
+  return config.replace(**changes)

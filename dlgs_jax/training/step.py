@@ -1,0 +1,212 @@
+"""A data-parallel training step for Flax classifiers with any dlgs_jax transform.
+
+The step runs under `jax.jit(jax.shard_map(...))` over a 1-D data mesh:
+parameters and BatchNorm statistics are replicated, the batch and the optimizer
+state (error-feedback residuals) are per worker (see `dlgs_jax.workload.parallel`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from dlgs_jax.compress import collectives
+from dlgs_jax.workload import data
+from dlgs_jax.workload import parallel
+from dlgs_jax.compress.state import comm_stats
+from dlgs_jax.workload.losses import apply_for_training, cross_entropy, init_variables
+
+
+class TrainState(NamedTuple):
+  params: Any       # replicated parameter tree
+  batch_stats: Any  # replicated BatchNorm statistics ({} if the model has none)
+  opt_state: Any    # per worker: leading worker axis
+  step: jax.Array   # int32[], replicated
+
+
+def train_state_from_variables(variables: dict, tx: optax.GradientTransformation,
+                               mesh: Mesh) -> TrainState:
+  """Places `variables` (from `init_variables`) and `tx`'s initial state on `mesh`.
+
+  Args:
+    variables: the model's variables, the same in every process.
+    tx: the gradient transformation; its state is initialised per worker.
+    mesh: the 1-D data mesh.
+
+  Returns:
+    The `TrainState` at step 0.
+  """
+  params = variables["params"]
+  batch_stats = variables.get("batch_stats", {})
+  return TrainState(
+      params=parallel.replicate(params, mesh),
+      batch_stats=parallel.replicate(batch_stats, mesh),
+      opt_state=parallel.stack_per_worker(tx.init(params), mesh),
+      step=parallel.replicate(np.zeros((), np.int32), mesh),
+  )
+
+
+def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample: np.ndarray,
+                     mesh: Mesh, seed: int) -> TrainState:
+  """Initialises parameters from `seed` (identical in every process) and places them."""
+  return train_state_from_variables(init_variables(model, sample, seed), tx, mesh)
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+                    *, augment: bool = True, pad: int = 4, mean=data.CIFAR10_MEAN,
+                    std=data.CIFAR10_STD, seed: int = 0) -> Callable:
+  """Builds ``step(state, images, labels) -> (state, metrics)``.
+
+  Args:
+    model: Flax classifier called as ``model(x, train=...)``.
+    tx: optimizer, containing a dlgs_jax transform with the mesh's axis name.
+    mesh: 1-D data mesh.
+    augment: random crop (after `pad`-pixel padding) and flip on the fly; the
+      key depends on (seed, step, worker), so a resumed run draws the same.
+    pad: crop padding in pixels.
+    mean, std: per-channel normalisation (`data.normalize`).
+    seed: augmentation seed.
+
+  Returns:
+    A jitted function. `images` (uint8) and `labels` are per-worker arrays of
+    shape ``(workers, batch, ...)``; metrics are replicated scalars: loss,
+    accuracy and, when the optimizer holds `CommStats`, the mean bytes sent and
+    values selected per worker this step, the count of skipped steps and the
+    leaves whose threshold was computed exactly this step (DLGS). The
+    state argument is donated.
+  """
+  axis = mesh.axis_names[0]
+
+  def step(state: TrainState, images, labels):
+    images, labels = images[0], labels[0]
+    opt_state = parallel.squeeze(state.opt_state)
+    if augment:
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state.step),
+                               jax.lax.axis_index(axis))
+      images = data.augment_cifar(key, images, pad=pad)
+    inputs = data.normalize(images, mean, std)
+
+    def loss_fn(params):
+      logits, updates = apply_for_training(model, params, state.batch_stats, inputs)
+      return cross_entropy(logits, labels), (logits, updates)
+
+    (loss, (logits, model_updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    updates, opt_state = tx.update(grads, opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    metrics = {"loss": loss, "accuracy": accuracy}
+    stats = comm_stats(opt_state)
+    if stats is not None:
+      # Per-worker numbers; their mean is logged (selections differ per worker).
+      metrics.update(bytes_sent=stats.bytes_sent.astype(jnp.float32),
+                     selected=jnp.sum(stats.selected).astype(jnp.float32),
+                     skipped=stats.skipped.astype(jnp.float32),
+                     exact=stats.exact.astype(jnp.float32))
+    # Running BatchNorm statistics are averaged so every worker keeps the same,
+    # together with the metrics in one all-reduce (each collective pays the
+    # network latency once).
+    batch_stats, metrics = collectives.fused_pmean(
+        (model_updates.get("batch_stats", {}), metrics), axis_name=axis)
+    new_state = TrainState(params, batch_stats, parallel.unsqueeze(opt_state), state.step + 1)
+    return new_state, metrics
+
+  state_spec = TrainState(PartitionSpec(), PartitionSpec(), PartitionSpec(axis), PartitionSpec())
+  # check_vma=False: sparse updates are identical on all workers by construction
+  # (tested bit for bit) but JAX's type system cannot prove it for all-gather
+  # results, and the replicated out_specs would be refused.
+  return jax.jit(jax.shard_map(
+      step, mesh=mesh,
+      in_specs=(state_spec, PartitionSpec(axis), PartitionSpec(axis)),
+      out_specs=(state_spec, PartitionSpec()),
+      check_vma=False), donate_argnums=0)
+
+
+def make_fingerprint_fn(mesh: Mesh) -> Callable:
+  """Builds ``fingerprint(params, batch_stats) -> uint32[workers, 2]``.
+
+  Each worker hashes *its own copy* of the replicated parameters and BatchNorm
+  statistics (a wrapping sum of the raw bits and a position-weighted one), so
+  copies that drifted apart -- on any device of any process -- give different
+  rows. Cheap: two reductions per leaf.
+  """
+  axis = mesh.axis_names[0]
+
+  def local(params, batch_stats):
+    total = jnp.zeros((2,), jnp.uint32)
+    for leaf in jax.tree_util.tree_leaves((params, batch_stats)):
+      bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).reshape(-1)
+      weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+      total = total + jnp.stack([jnp.sum(bits), jnp.sum(bits * weights)])
+    return total[None]
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec()),
+                               out_specs=PartitionSpec(axis), check_vma=False))
+
+
+def check_replicas_identical(fingerprint: Callable, state: TrainState, step: int) -> None:
+  """Fails loudly unless every worker holds bit-identical parameters.
+
+  Raises:
+    RuntimeError: naming the workers whose copies differ from worker 0's.
+  """
+  from jax.experimental import multihost_utils
+
+  prints = fingerprint(state.params, state.batch_stats)
+  if jax.process_count() > 1:
+    prints = multihost_utils.process_allgather(prints, tiled=True)
+  prints = np.asarray(prints)
+  differ = [w for w in range(prints.shape[0]) if not np.array_equal(prints[w], prints[0])]
+  if differ:
+    raise RuntimeError(
+        f"parameters diverged across workers at step {step}: workers {differ} differ from "
+        f"worker 0 (fingerprints {prints.tolist()})")
+
+
+def make_eval_fn(model: nn.Module, mean=data.CIFAR10_MEAN, std=data.CIFAR10_STD) -> Callable:
+  """``evaluate(params, batch_stats, images, labels) -> (loss_sum, correct)`` on one device."""
+
+  @jax.jit
+  def evaluate(params, batch_stats, images, labels):
+    variables = {"params": params}
+    if batch_stats:
+      variables["batch_stats"] = batch_stats
+    logits = model.apply(variables, data.normalize(images, mean, std), train=False)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return losses.sum(), jnp.sum(jnp.argmax(logits, -1) == labels)
+
+  return evaluate
+
+
+def evaluate_dataset(evaluate: Callable, params, batch_stats, dataset: data.Dataset,
+                     batch_size: int = 500) -> dict[str, float]:
+  """Test loss and accuracy over a whole dataset.
+
+  With several processes each evaluates a contiguous 1/P slice (host copies of
+  the parameters on its first device) and the sums are combined, so every
+  process returns the same numbers.
+  """
+  from jax.experimental import multihost_utils
+
+  params, batch_stats = parallel.fetch((params, batch_stats))
+  n = len(dataset.labels)
+  bounds = np.linspace(0, n, jax.process_count() + 1).astype(int)
+  lo, hi = bounds[jax.process_index()], bounds[jax.process_index() + 1]
+  loss_sum, correct = 0.0, 0
+  for start in range(lo, hi, batch_size):
+    stop = min(start + batch_size, hi)
+    images = dataset.images[start:stop]
+    labels = dataset.labels[start:stop]
+    batch_loss, batch_correct = evaluate(params, batch_stats, images, labels)
+    loss_sum += float(batch_loss)
+    correct += int(batch_correct)
+  totals = np.asarray([loss_sum, correct], np.float32)
+  if jax.process_count() > 1:
+    totals = np.asarray(multihost_utils.process_allgather(totals)).reshape(-1, 2).sum(0)
+  return {"test_loss": float(totals[0]) / n, "test_accuracy": float(totals[1]) / n}

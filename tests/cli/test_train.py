@@ -1,0 +1,263 @@
+"""The training CLI, run as users run it: separate processes on CPU devices."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dlgs_jax.compress import grouping
+from dlgs_jax.workload import models
+from dlgs_jax.planning import planner
+from dlgs_jax.cli import train
+from dlgs_jax.compress.methods import MethodConfig
+from dlgs_jax.training.config import SECTIONS
+from dlgs_jax.training.plans import backward_order_of
+from dlgs_jax.planning.timeline import LinearCost, Profile
+from tests.helpers import child_env, params_shas
+
+SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
+
+
+def run_cli(args, timeout=400):
+  return subprocess.run([sys.executable, "-m", "dlgs_jax.cli.train", *args], env=child_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def records(workdir):
+  return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def sha_of(output):
+  shas = params_shas(output)
+  assert list(shas) == [0], output[-3000:]
+  return shas[0]
+
+
+@pytest.mark.parametrize("method", ["dlgs", "lags", "topk", "gtopk", "dense", "dgc", "terngrad"])
+def test_every_method_trains_and_logs(tmp_path, method):
+  result = run_cli([*SMALL, "--method", method, "--density", "0.05", "--local-devices", "4",
+                    "--steps", "4", "--check-every", "2", "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  steps = [r for r in records(tmp_path) if "loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  for r in steps:
+    assert r["bytes_sent"] > 0 and r["step_time"] > 0
+  # lr / 10 after round(4/7 * 4) = 2 and round(6/7 * 4) = 3 steps.
+  assert [r["lr"] for r in steps] == pytest.approx([0.05, 0.05, 0.005, 0.0005])
+  epoch = [r for r in records(tmp_path) if r.get("event") == "epoch_end"]
+  assert len(epoch) == 1 and 0.0 <= epoch[0]["test_accuracy"] <= 1.0
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["workers"] == 4 and summary["steps"] == 4 and summary["method"] == method
+  dense_bytes = summary["dense_bytes_per_step"]
+  if method == "dense":
+    assert summary["bytes_sent_per_step"] == pytest.approx(dense_bytes)
+  elif method == "terngrad":  # all-gather of 2-bit values: (P-1)/4 bytes per value
+    assert steps[-1]["bytes_sent"] == pytest.approx(dense_bytes * (3 / 4) / 6, rel=0.01)
+  else:  # density 0.05 (DGC after its one warm-up step): far below a dense all-reduce
+    assert steps[-1]["bytes_sent"] < 0.5 * dense_bytes
+  assert "epoch   1/1" in result.stdout and "summary:" in result.stdout
+
+
+def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
+  args = [*SMALL, "--local-devices", "2", "--steps", "40", "--density", "0.05",
+          "--reuse-every", "3", "--checkpoint-every", "4", "--check-every", "10"]
+  whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
+  assert whole.returncode == 0, whole.stderr[-3000:]
+
+  workdir = tmp_path / "killed"
+  proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args, "--workdir",
+                           str(workdir)], env=child_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and proc.poll() is None:
+    if metrics.exists() and '"step": 10,' in metrics.read_text():
+      break
+    time.sleep(0.01)
+  assert proc.poll() is None, "the run ended before it could be killed"
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved and max(saved) < 40  # really interrupted, after some checkpoint
+
+  resumed = run_cli([*args, "--workdir", str(workdir), "--resume"])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from step {max(saved)}" in resumed.stdout
+  assert sha_of(resumed.stdout) == sha_of(whole.stdout)
+  a = json.loads((tmp_path / "whole" / "summary.json").read_text())
+  b = json.loads((workdir / "summary.json").read_text())
+  assert a["opt_state_sha256_process0"] == b["opt_state_sha256_process0"]
+  assert a["final_test_loss"] == b["final_test_loss"]
+  # The metrics log holds every step once: records past the checkpoint were replaced.
+  steps = [r["step"] for r in records(workdir) if "loss" in r]
+  assert steps == list(range(1, 41))
+  losses = {r["step"]: r["loss"] for r in records(tmp_path / "whole") if "loss" in r}
+  assert all(losses[r["step"]] == r["loss"] for r in records(workdir) if "loss" in r)
+
+  # Checkpoints of another configuration are refused, never misread.
+  for extra, message in ((["--method", "lags"], "method: checkpoint 'dlgs', this run 'lags'"),
+                         (["--local-devices", "4"], "workers: checkpoint 2, this run 4"),
+                         (["--batch-size", "16"], "batch_size: checkpoint 8, this run 16")):
+    refused = run_cli([*args, *extra, "--workdir", str(workdir), "--resume"])
+    assert refused.returncode != 0 and message in refused.stderr, refused.stderr[-2000:]
+  again = run_cli([*args, "--workdir", str(workdir)])
+  assert again.returncode != 0 and "pass --resume" in again.stderr
+
+
+def smallcnn_plan(workers):
+  model, shape = models.create_model("smallcnn")
+  variables = model.init(jax.random.key(0), jax.numpy.zeros((1,) + shape), train=False)
+  order = backward_order_of(model, variables["params"], variables["batch_stats"],
+                            (2,) + shape)
+  sizes = dict(zip(grouping.leaf_paths(variables["params"]),
+                   [int(x.size) for x in jax.tree_util.tree_leaves(variables["params"])]))
+  profile = Profile(
+      model="smallcnn", paths=order, sizes=[sizes[p] for p in order], t_forward=1e-3,
+      t_backward=[1e-4] * len(order), workers=workers,
+      sparsify={"dlgs": LinearCost(1e-4, 1e-9)},
+      comm={"allgather": LinearCost(1e-3, 1e-9)}, source="test")
+  return planner.make_plan(profile, "dlgs", 0.05, "optimal")
+
+
+def test_plan_file_is_used_and_checked(tmp_path):
+  plan = smallcnn_plan(workers=2)
+  assert 1 < len(plan.groups) < len(plan.order)
+  plan.save(tmp_path / "plan.json")
+  args = [*SMALL, "--density", "0.05", "--steps", "2", "--plan", str(tmp_path / "plan.json")]
+  ok = run_cli([*args, "--local-devices", "2", "--workdir", str(tmp_path / "a")])
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+  assert summary["plan_groups"] == len(plan.groups)
+  assert planner.Plan.load(tmp_path / "a" / "plan.json") == plan
+  wrong_p = run_cli([*args, "--local-devices", "4", "--workdir", str(tmp_path / "b")])
+  assert wrong_p.returncode != 0 and "made for 2 workers, this run has 4" in wrong_p.stderr
+  wrong_model = run_cli([*args, "--model", "resnet20", "--local-devices", "2",
+                         "--workdir", str(tmp_path / "c")])
+  assert wrong_model.returncode != 0 and "does not match these parameters" in wrong_model.stderr
+
+
+def test_planner_profiles_and_plans_on_the_fly(tmp_path):
+  result = run_cli([*SMALL, "--local-devices", "2", "--steps", "2", "--planner", "optimal",
+                    "--bandwidth", "1gbit", "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stderr[-3000:]
+  plan = planner.Plan.load(tmp_path / "plan.json")
+  assert plan.planner == "optimal" and plan.workers == 2 and plan.method == "dlgs"
+  assert "planned groups (optimal)" in result.stdout
+  profile = Profile.from_dict(plan.profile)
+  assert "1gbit" in profile.source and profile.t_forward > 0
+  # DLGS with the refresh rule is planned at the refresh rate measured on real steps.
+  assert 0.0 < profile.dlgs_exact_fraction <= 1.0
+  assert f"{profile.dlgs_exact_fraction:.0%} of thresholds computed exactly" in result.stdout
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--density", "0"], "--density 0.0 is invalid"),
+    (["--method", "sgd"], "--method 'sgd' is invalid"),
+    (["--epochs", "0"], "--epochs 0 is invalid"),
+    (["--planner", "magic"], "--planner 'magic' is invalid"),
+    (["--method", "topk", "--planner", "optimal"], "planning applies to dense, lags and dlgs, not topk"),
+    (["--lr", "-1"], "--lr -1.0 is invalid"),
+    (["--refresh-below", "1.5"], "--refresh-below '1.5' is invalid"),
+    (["--refresh-below", "half"], "--refresh-below 'half' is invalid"),
+    (["--min-ndim", "-1"], "--min-ndim -1 is invalid"),
+    (["--method", "topk", "--min-ndim", "2"], "applies to lags and dlgs, not topk"),
+    (["--method", "dgc", "--send-whole", "head"], "--send-whole 'head' is invalid: applies to "
+     "lags and dlgs, not dgc"),
+    (["--lr-decay-epochs", "a,b"], "--lr-decay-epochs 'a,b' is invalid"),
+])
+def test_bad_flags_are_named(flags, message):
+  with pytest.raises(SystemExit, match=message):
+    train.config_from_args(flags)
+
+
+def test_send_whole_head_sends_the_classifier_whole(tmp_path):
+  """SmallCNN's head (128x10 + 10) rides whole in DLGS's message: the bytes show it."""
+  density, workers = 0.05, 2
+  result = run_cli([*SMALL, "--method", "dlgs", "--send-whole", "head", "--density",
+                    str(density), "--local-devices", str(workers), "--steps", "2",
+                    "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stderr[-3000:]
+  shapes = models.param_shapes("smallcnn")
+  paths = grouping.leaf_paths(shapes)
+  sizes = {p: int(np.prod(x.shape)) for p, x in zip(paths, jax.tree_util.tree_leaves(shapes))}
+  head = {"Dense_1/bias", "Dense_1/kernel"}
+  pairs = sum(n if p in head else max(1, int(np.ceil(density * n))) for p, n in sizes.items())
+  steps = [r for r in records(tmp_path) if "loss" in r]
+  assert steps[-1]["bytes_sent"] == pytest.approx((workers - 1) * 8 * pairs)
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["method"] == "dlgs"
+
+
+def test_flags_become_the_config_and_name_a_variant():
+  config = train.config_from_args(["--method", "dlgs", "--density", "0.05", "--send-whole",
+                                   "head", "--refresh-below", "none", "--no-augment",
+                                   "--lr-decay-epochs", "1,2.5", "--seed", "3"])
+  assert config.method == MethodConfig("dlgs", density=0.05, send_whole=("head",),
+                                       refresh_below=None)
+  assert not config.data.augment and config.seed == 3
+  assert config.schedule.lr_decay_epochs == (1.0, 2.5)
+  assert config.schedule.decay_boundaries(10, 1400) == [10, 25]
+  assert train.method_flags("dlgs-paper") == ["--method", "dlgs", "--refresh-below", "none"]
+  assert train.method_flags("lags-head") == ["--method", "lags", "--send-whole", "head"]
+  assert train.method_flags("dense") == ["--method", "dense"]
+  # The flags that set a config give that config back.
+  again = train.config_from_args(train.config_flags(config, sections=[s for s in SECTIONS]))
+  assert again.method == config.method and again.schedule == config.schedule
+
+
+def test_a_config_file_is_overridden_by_flags_and_written_to_the_workdir(tmp_path):
+  base = train.config_from_args(["--model", "smallcnn", "--density", "0.05"])
+  (tmp_path / "c.json").write_text(json.dumps(base.to_dict()))
+  (tmp_path / "c.py").write_text(
+      "from dlgs_jax.training.config import RunConfig, ModelConfig\n"
+      "def get_config():\n  return RunConfig(model=ModelConfig('vgg16'))\n")
+  config = train.config_from_args(["--config", str(tmp_path / "c.json"), "--density", "0.1"])
+  assert config.model.name == "smallcnn" and config.method.density == 0.1
+  assert train.config_from_args(["--config", str(tmp_path / "c.py")]).model.name == "vgg16"
+  (tmp_path / "bad.json").write_text('{"method": {"densty": 0.1}}')
+  with pytest.raises(SystemExit, match="unknown options"):
+    train.config_from_args(["--config", str(tmp_path / "bad.json")])
+  with pytest.raises(SystemExit, match="no such file"):
+    train.config_from_args(["--config", str(tmp_path / "none.json")])
+
+
+def test_demo_preset_yields_to_given_flags():
+  from dlgs_jax.cli import demo
+  parsed = train.config_from_args(["--epochs", "2", "--workdir=/tmp/x"], base=demo.preset())
+  assert parsed.schedule.epochs == 2 and parsed.checkpoint.workdir == "/tmp/x"
+  assert (parsed.model.name, parsed.method.name, parsed.processes.local_devices) == (
+      "smallcnn", "dlgs", 4)
+  assert parsed.method.density == 0.01
+  fresh = train.config_from_args([], base=demo.preset())
+  assert fresh.checkpoint.workdir.startswith("runs/demo-") and fresh.schedule.epochs == 10
+
+
+def test_trains_on_an_image_folder_with_sync_batchnorm(tmp_path):
+  from PIL import Image
+  rng = np.random.default_rng(0)
+  for split, count in (("train", 6), ("val", 2)):
+    for name in ("apple", "pear", "plum"):
+      folder = tmp_path / "images" / split / name
+      folder.mkdir(parents=True)
+      for i in range(count):
+        pixels = rng.integers(0, 256, (20 + i, 24, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.{'png' if i % 2 else 'jpg'}")
+  result = run_cli(["--model", "smallcnn", "--dataset", "imagefolder", "--data-dir",
+                    str(tmp_path / "images"), "--image-size", "16", "--batch-size", "2",
+                    "--local-devices", "2", "--steps", "3", "--sync-bn",
+                    "--workdir", str(tmp_path / "run")])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "imagefolder:" in result.stdout and "(18 train / 6 test)" in result.stdout
+  epoch = [r for r in records(tmp_path / "run") if r.get("event") == "epoch_end"]
+  assert epoch and 0.0 <= epoch[0]["test_accuracy"] <= 1.0
+  missing = run_cli(["--model", "resnet50", "--local-devices", "2", "--workdir",
+                     str(tmp_path / "r50")])
+  assert missing.returncode != 0 and "resnet50 needs --data-dir" in missing.stderr
+
+

@@ -1,0 +1,200 @@
+"""Multi-process training: dlgs-launch, the per-node script and SLURM's variables.
+
+Real processes on localhost join with `jax.distributed` and exchange gradients
+with gloo CPU collectives.
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlgs_jax.cli import launch as launch_cli
+from dlgs_jax.cluster import launch
+from dlgs_jax.cluster.launch import free_port
+from tests.helpers import child_env, params_shas, run_group
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ["--model", "smallcnn", "--batch-size", "16", "--density", "0.1", "--lr", "0.02",
+         "--check-every", "4"]
+
+
+def shas(output, processes):
+  found = params_shas(output)
+  assert sorted(found) == list(range(processes)), output[-4000:]
+  return found
+
+
+def losses(workdir):
+  lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+  return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_launch_trains_with_identical_parameters_and_falling_loss(tmp_path):
+  # Four processes on two cores; two processes are launched by the tests below.
+  nproc = 4
+  result = subprocess.run(
+      [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", str(nproc), "--", *TRAIN,
+       "--steps", "16", "--workdir", str(tmp_path)],
+      env=child_env(), capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-4000:]
+  prints = shas(result.stdout, nproc)
+  assert len(set(prints.values())) == 1  # every process holds the same parameters
+  assert f"{nproc} workers ({nproc} processes)" in result.stdout
+  loss = losses(tmp_path)
+  assert len(loss) == 16
+  assert np.mean(loss[-4:]) < np.mean(loss[:4]) - 0.05, loss
+  for rank in range(nproc):  # output is streamed with a rank prefix
+    assert f"[{rank}] process {rank}: params_sha256" in result.stdout
+
+
+@pytest.mark.parametrize("method", ["dgc", "terngrad"])
+def test_two_processes_stop_and_resume_bit_identical(tmp_path, method):
+  """DGC and TernGrad across processes; a run left with --stop-after and resumed
+  ends exactly where an uninterrupted run does (velocity, residuals, PRNG keys)."""
+  args = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05", "--density", "0.05",
+          "--method", method, "--steps", "6", "--check-every", "2"]
+
+  def launch(*extra):
+    return [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--", *args, *extra]
+
+  # The persistent compilation cache serves only process 0 (JAX writes no entry
+  # from another process), so every launch's process 1 compiles the train step
+  # again while process 0 waits on one core. The first part runs alone (both
+  # compile and fill the cache); the uninterrupted run and the resumed part then
+  # run side by side, their two process 1s compiling on the two cores.
+  first, = run_group([(launch("--workdir", str(tmp_path / "parts"), "--stop-after", "3"),
+                       child_env())], timeout=600)
+  assert "stopped after 3 steps at step 3 of 6" in first
+  whole, rest = run_group([
+      (launch("--workdir", str(tmp_path / "whole")), child_env()),
+      (launch("--workdir", str(tmp_path / "parts"), "--resume"), child_env())], timeout=600)
+  whole = shas(whole, 2)
+  assert "resumed from step 3" in rest
+  assert shas(rest, 2) == whole and len(set(whole.values())) == 1
+  assert len(losses(tmp_path / "parts")) == 6
+
+
+def test_a_failing_process_stops_the_others(tmp_path):
+  module = tmp_path / "flaky_worker.py"
+  module.write_text(
+      "import os, sys, time\n"
+      "rank = int(os.environ['DLGS_PROCESS_ID'])\n"
+      f"open(os.path.join({str(tmp_path)!r}, f'pid{{rank}}'), 'w').write(str(os.getpid()))\n"
+      "print('started', os.environ['DLGS_NUM_PROCESSES'], os.environ['DLGS_COORDINATOR_ADDRESS'],"
+      " flush=True)\n"
+      "if rank == 1:\n"
+      "    time.sleep(1.0)\n"
+      "    sys.exit(3)\n"
+      "time.sleep(300)\n")
+  env = child_env()
+  env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
+  start = time.monotonic()
+  result = subprocess.run(
+      [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "3", "--module", "flaky_worker",
+       "--grace", "2"], env=env, capture_output=True, text=True, timeout=120)
+  elapsed = time.monotonic() - start
+  assert result.returncode == 3, result.stdout
+  assert "process 1 exited with status 3; stopped the others" in result.stdout
+  assert elapsed < 60
+  assert "[0] started 3 127.0.0.1:" in result.stdout
+  for rank in (0, 2):  # the sleepers are gone, not left behind
+    pid = int((tmp_path / f"pid{rank}").read_text())
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+
+
+def test_launcher_rejects_bad_arguments():
+  with pytest.raises(SystemExit):
+    launch_cli.parse_args(["--nproc", "0"])
+  args, child = launch_cli.parse_args(["--nproc", "2", "--", "--model", "vgg16"])
+  assert args.nproc == 2 and child == ["--model", "vgg16"]
+  env = launch.child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"},
+                         1, 2, "127.0.0.1:1234", 3)
+  assert env["DLGS_PROCESS_ID"] == "1" and env["DLGS_LOCAL_DEVICES"] == "3"
+  assert env["XLA_FLAGS"] == "--foo"
+
+
+def test_node_script_checks_its_variables(tmp_path):
+  script = ROOT / "scripts" / "cluster" / "run_node.sh"
+  env = child_env()
+  for name in ("DLGS_COORDINATOR_ADDRESS", "DLGS_NUM_NODES", "DLGS_NODE_RANK"):
+    env.pop(name, None)
+  missing = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+  assert missing.returncode == 2
+  assert "DLGS_COORDINATOR_ADDRESS DLGS_NUM_NODES DLGS_NODE_RANK" in missing.stderr
+  for variables, message in (
+      (dict(DLGS_COORDINATOR_ADDRESS="h:1", DLGS_NUM_NODES="2", DLGS_NODE_RANK="2"),
+       "must be in [0, 2), got '2'"),
+      (dict(DLGS_COORDINATOR_ADDRESS="h:1", DLGS_NUM_NODES="two", DLGS_NODE_RANK="0"),
+       "positive integer, got 'two'"),
+      (dict(DLGS_COORDINATOR_ADDRESS="nohost", DLGS_NUM_NODES="2", DLGS_NODE_RANK="0"),
+       "host:port, got 'nohost'")):
+    bad = subprocess.run(["bash", str(script)], env={**env, **variables},
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+def test_node_script_runs_two_nodes_on_localhost(tmp_path):
+  script = ROOT / "scripts" / "cluster" / "run_node.sh"
+  coordinator = f"127.0.0.1:{free_port()}"
+  base = child_env()
+  base["DLGS_PYTHON"] = sys.executable
+  outputs = run_group([
+      (["bash", str(script), *TRAIN, "--steps", "3", "--workdir", str(tmp_path)],
+       {**base, "DLGS_COORDINATOR_ADDRESS": coordinator, "DLGS_NUM_NODES": "2",
+        "DLGS_NODE_RANK": str(rank)}) for rank in range(2)])
+  values = {sha for out in outputs for sha in params_shas(out).values()}
+  assert len(values) == 1
+  assert "2 workers (2 processes)" in outputs[0]
+
+
+def test_slurm_variables_start_jax_distributed(tmp_path):
+  """What `srun` sets for each task is enough: JAX reads it, dlgs_jax enables gloo."""
+  base = child_env()
+  base.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+              JAX_COORDINATOR_PORT=str(free_port()))
+  for name in ("DLGS_COORDINATOR_ADDRESS", "DLGS_NUM_PROCESSES", "DLGS_PROCESS_ID"):
+    base.pop(name, None)
+  outputs = run_group([
+      ([sys.executable, "-m", "dlgs_jax.cli.train", *TRAIN, "--steps", "3", "--workdir",
+        str(tmp_path)], {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
+      for rank in range(2)])
+  values = {sha for out in outputs for sha in params_shas(out).values()}
+  assert len(values) == 1
+  assert "2 workers (2 processes)" in outputs[0]
+
+
+def test_sbatch_script_refuses_outside_slurm_and_runs_srun(tmp_path):
+  script = ROOT / "scripts" / "cluster" / "train.sbatch"
+  env = child_env()
+  env.pop("SLURM_JOB_ID", None)
+  outside = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+  assert outside.returncode == 2 and "submit with sbatch" in outside.stderr
+  # Inside a job, the script hands its arguments to one `srun` that stops every
+  # task if one fails; a stand-in srun on PATH records the call.
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  srun = bin_dir / "srun"
+  srun.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path}/srun_args\n")
+  srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+  env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="7",
+             SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[1-2]",
+             DLGS_PYTHON="/opt/py")
+  inside = subprocess.run(["bash", str(script), "--model", "vgg16", "--resume"], env=env,
+                          capture_output=True, text=True)
+  assert inside.returncode == 0, inside.stderr
+  assert (tmp_path / "srun_args").read_text().split("\n")[:-1] == [
+      "--kill-on-bad-exit=1", "/opt/py", "-m", "dlgs_jax.cli.train", "--model", "vgg16", "--resume"]
+  text = script.read_text()
+  tasks = int(text.split("--ntasks-per-node=")[1].split()[0])
+  gpus = int(text.split("--gpus-per-node=")[1].split()[0])
+  assert tasks == gpus  # JAX's SLURM convention: one task per GPU

@@ -1,0 +1,113 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlgs_jax.compress import selection
+
+
+@pytest.mark.parametrize("density,size,expected", [
+    (0.01, 100, 1), (0.1, 30, 3), (0.001, 10, 1), (1.0, 7, 7), (0.5, 3, 2), (0.25, 1000, 250)])
+def test_num_to_keep(density, size, expected):
+  assert selection.num_to_keep(density, size) == expected
+
+
+def test_kth_largest_abs_matches_numpy():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((17, 9)).astype(np.float32)
+  for k in (1, 5, 100, x.size):
+    got = jax.jit(selection.kth_largest_abs, static_argnums=1)(x, k)
+    assert float(got) == np.sort(np.abs(x).ravel())[::-1][k - 1]
+
+
+def test_topk_indices_matches_numpy():
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal(500).astype(np.float32)
+  got = np.asarray(jax.jit(selection.topk_indices, static_argnums=1)(x, 25))
+  assert set(got) == set(np.argsort(-np.abs(x))[:25])
+
+
+def reference_threshold(x, threshold, capacity):
+  flat = x.ravel()
+  passing = np.flatnonzero((np.abs(flat) >= threshold) & (flat != 0))
+  chosen = passing[:capacity]
+  out = np.full(capacity, flat.size, np.int32)
+  out[:len(chosen)] = chosen
+  return out, len(passing)
+
+
+@pytest.mark.parametrize("threshold,capacity", [(0.5, 40), (1.5, 40), (0.0, 10), (3.0, 5)])
+def test_threshold_indices_matches_numpy(threshold, capacity):
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((8, 25)).astype(np.float32)
+  x[0, :5] = 0.0  # zeros never pass, even with threshold 0
+  fn = jax.jit(selection.threshold_indices, static_argnums=2)
+  got, passed = fn(x, jnp.float32(threshold), capacity)
+  want, want_passed = reference_threshold(x, threshold, capacity)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert int(passed) == want_passed
+  assert int(selection.count_valid(got, x.size)) == min(capacity, want_passed)
+
+
+def test_threshold_at_exact_kth_selects_exactly_k():
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal(1000).astype(np.float32)
+  k = 37
+  h = selection.kth_largest_abs(jnp.asarray(x), k)
+  got, passed = jax.jit(selection.threshold_indices, static_argnums=2)(x, h, k)
+  assert int(passed) == k
+  assert set(np.asarray(got)) == set(np.argsort(-np.abs(x))[:k])
+
+
+@pytest.mark.parametrize("size,k", [(600_000, 6000), (600_000, 1), (700_001, 7000), (600_000, 60_000),
+                                    (33_000, 330), (40_000, 1), (100_003, 10_001)])
+def test_sampled_kth_largest_is_exact_on_large_inputs(size, k):
+  rng = np.random.default_rng(size + k)
+  x = rng.standard_normal(size).astype(np.float32)
+  want = np.sort(np.abs(x))[::-1][k - 1]
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(x, k)) == want
+
+
+def test_sampled_kth_largest_falls_back_when_estimate_misses():
+  # Fewer nonzeros than k: the buffer path finds fewer than k candidates and
+  # the full sort must answer (the k-th largest is 0).
+  x = np.zeros(800_000, np.float32)
+  x[::8000] = np.arange(1, 101)
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(x, 150)) == 0.0
+  z = np.zeros(50_000, np.float32)  # the same on a leaf just above the sampling size
+  z[::1000] = np.arange(1, 51)
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(z, 100)) == 0.0
+  # Heavy ties: many more than 4k values equal the k-th largest.
+  y = np.ones(600_000, np.float32)
+  y[:10] = 5.0
+  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(y, 5000)) == 1.0
+
+
+@pytest.mark.parametrize("size", [31, 32, 33, 1000, 4099])
+def test_threshold_indices_word_packing_edges(size):
+  rng = np.random.default_rng(size)
+  x = rng.standard_normal(size).astype(np.float32)
+  for threshold, capacity in ((0.3, size), (1.0, max(1, size // 3)), (10.0, 5)):
+    got, passed = jax.jit(selection.threshold_indices, static_argnums=2)(
+        x, jnp.float32(threshold), capacity)
+    want, want_passed = reference_threshold(x, threshold, capacity)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert int(passed) == want_passed
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.7, 100.0])
+def test_packed_mask_counts_and_selects_like_threshold_indices(threshold):
+  x = np.random.default_rng(9).standard_normal((7, 13)).astype(np.float32)
+  x[0, :5] = 0.0
+  words = jax.jit(selection.pack_passing)(jnp.asarray(x), jnp.float32(threshold))
+  expected_mask = (np.abs(x) >= threshold) & (x != 0)
+  bits = np.unpackbits(np.asarray(words).view(np.uint8), bitorder="little")[:x.size]
+  np.testing.assert_array_equal(bits.astype(bool), expected_mask.reshape(-1))
+  assert int(jax.jit(selection.count_packed)(words)) == int(expected_mask.sum())
+  capacity = 20
+  got, passed = jax.jit(selection.indices_from_words, static_argnums=(1, 2))(
+      words, x.size, capacity)
+  want, want_passed = jax.jit(selection.threshold_indices, static_argnums=2)(
+      jnp.asarray(x), jnp.float32(threshold), capacity)
+  np.testing.assert_array_equal(got, want)
+  assert int(passed) == int(want_passed) == int(expected_mask.sum())

@@ -1,0 +1,593 @@
+"""Invariants of the communication transforms on 8 simulated CPU workers."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dlgs_jax
+from dlgs_jax.compress import grouping
+from dlgs_jax.workload import parallel
+from tests.helpers import flat, flat_workers, random_grads, run_steps
+
+PARAMS = {
+    "conv": {"kernel": jnp.zeros((3, 3, 2, 4)), "bias": jnp.zeros((4,))},
+    "dense": {"kernel": jnp.zeros((16, 10)), "bias": jnp.zeros((10,))},
+}
+ORDER = ["dense/bias", "dense/kernel", "conv/bias", "conv/kernel"]
+W = 8
+
+
+def methods(density, **kw):
+  return {
+      "dlgs": dlgs_jax.dlgs(density, axis_name="data", reuse_every=3, **kw),
+      "dlgs_grouped": dlgs_jax.dlgs(
+          density, axis_name="data", reuse_every=3, order=ORDER,
+          groups=[ORDER[:2], ORDER[2:]], **kw),
+      "dlgs_gtopk": dlgs_jax.dlgs(
+          density, axis_name="data", collective="gtopk", groups=[ORDER[:3], ORDER[3:]],
+          order=ORDER, **kw),
+      "lags": dlgs_jax.lags(density, axis_name="data", **kw),
+      "lags_gtopk": dlgs_jax.lags(density, axis_name="data", collective="gtopk", **kw),
+      "topk": dlgs_jax.topk(density, axis_name="data", **kw),
+      "gtopk": dlgs_jax.gtopk(density, axis_name="data", **kw),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(methods(0.1)))
+@pytest.mark.parametrize("density", [0.05, 0.3])
+def test_nothing_lost_and_identical_updates(name, density):
+  """P * update + sum_w e_new[w] == sum_w (grad[w] + e_old[w]), every step."""
+  tx = methods(density)[name]
+  rng = np.random.default_rng(0)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(5)]
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  old_residual = np.zeros_like(flat_workers(steps[0]))
+  for grads, update, state in zip(steps, updates, states):
+    u = flat_workers(update)
+    for w in range(1, W):
+      np.testing.assert_array_equal(u[w], u[0])  # bit-identical on all workers
+    new_residual = flat_workers(state.residuals)
+    np.testing.assert_allclose(
+        W * u[0] + new_residual.sum(0),
+        (flat_workers(grads) + old_residual).sum(0), rtol=1e-5, atol=1e-5)
+    assert np.count_nonzero(u[0]) > 0
+    old_residual = new_residual
+
+
+@pytest.mark.parametrize("name", sorted(methods(1.0)))
+def test_density_one_equals_dense_mean(name):
+  rng = np.random.default_rng(1)
+  grads = random_grads(PARAMS, W, rng)
+  (update,), state, _ = run_steps(methods(1.0)[name], PARAMS, [grads], W)
+  (dense_update,), _, _ = run_steps(dlgs_jax.dense(axis_name="data"), PARAMS, [grads], W)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(grads).mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(dense_update)[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(flat_workers(state.residuals), 0.0, atol=1e-6)
+
+
+def test_dense_fused_groups_equal_mean_and_use_one_collective_per_group():
+  rng = np.random.default_rng(2)
+  grads = random_grads(PARAMS, W, rng)
+  tx = dlgs_jax.dense(axis_name="data", groups=[ORDER], order=ORDER)
+  (update,), state, _ = run_steps(tx, PARAMS, [grads], W)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(grads).mean(0), rtol=1e-5, atol=1e-6)
+  # One fused all-reduce, plus one for the non-finite flag unless disabled.
+  assert count_collectives(tx, "psum") == 2
+  assert count_collectives(dlgs_jax.dense(
+      axis_name="data", groups=[ORDER], order=ORDER, skip_nonfinite=False), "psum") == 1
+  assert count_collectives(dlgs_jax.dense(axis_name="data", order=ORDER), "psum") == 5
+  total = sum(x.size for x in jax.tree_util.tree_leaves(PARAMS))
+  assert state.stats.bytes_sent[0] == pytest.approx(2 * (W - 1) / W * total * 4)
+
+
+def count_collectives(tx, primitive):
+  """Number of `primitive` equations in one traced update on W workers."""
+  mesh = parallel.data_mesh(W)
+  state = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((W,) + x.shape, x.dtype), jax.eval_shape(tx.init, PARAMS))
+  grads = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((W,) + x.shape, x.dtype), PARAMS)
+  spec = jax.sharding.PartitionSpec("data")
+
+  def step(g, s):
+    u, s = tx.update(parallel.squeeze(g), parallel.squeeze(s))
+    return parallel.unsqueeze(u), parallel.unsqueeze(s)
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))
+  text = str(jax.make_jaxpr(fn)(grads, state))
+  # psum prints as psum or psum_invariant depending on its operand's type.
+  return len(re.findall(rf" {primitive}(_invariant)?\[", text))
+
+
+@pytest.mark.parametrize("groups,expected", [
+    (None, 4), ([ORDER[:2], ORDER[2:]], 2), ([ORDER], 1)])
+def test_one_collective_per_group(groups, expected):
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", groups=groups, order=ORDER)
+  assert count_collectives(tx, "all_gather") == expected
+  gtx = dlgs_jax.dlgs(0.1, axis_name="data", groups=groups, order=ORDER, collective="gtopk")
+  assert count_collectives(gtx, "all_gather") == 0
+  # log2(8) = 3 exchanges per group, and one k-value psum per group (plus the finite flag).
+  assert count_collectives(gtx, "ppermute") == 3 * expected
+  assert count_collectives(gtx, "psum") == expected + 1
+
+
+def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
+  reuse = 3
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=reuse, refresh_below=None)
+  rng = np.random.default_rng(3)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(7)]
+  _, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  previous = None
+  for step, (grads, state) in enumerate(zip(steps, states)):
+    thresholds = state.thresholds
+    accumulated = jax.tree_util.tree_map(np.add, residual, grads)
+    for path_thr, acc in zip(jax.tree_util.tree_leaves(thresholds), jax.tree_util.tree_leaves(accumulated)):
+      for w in range(W):
+        if step % reuse == 0:
+          k = max(1, int(np.ceil(0.1 * acc[w].size)))
+          assert path_thr[w] == np.sort(np.abs(acc[w]).ravel())[::-1][k - 1]
+    if step % reuse != 0:
+      for a, b in zip(jax.tree_util.tree_leaves(thresholds), jax.tree_util.tree_leaves(previous)):
+        np.testing.assert_array_equal(a, b)
+    else:
+      assert previous is None or any(
+          not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(thresholds),
+                                                   jax.tree_util.tree_leaves(previous)))
+    leaves = len(jax.tree_util.tree_leaves(PARAMS))
+    np.testing.assert_array_equal(state.stats.exact, leaves if step % reuse == 0 else 0)
+    previous = thresholds
+    residual = state.residuals
+  assert states[-1].count[0] == len(steps)
+
+
+def test_dlgs_reused_threshold_respects_capacity_and_counts_overflow():
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=100, refresh_below=None)
+  rng = np.random.default_rng(4)
+  first = random_grads(PARAMS, W, rng)
+  # Larger later gradients pass the stale threshold far more often than k.
+  later = random_grads(PARAMS, W, rng, scale=10.0)
+  _, state, states = run_steps(tx, PARAMS, [first, later], W)
+  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
+  capacity = sum(max(1, int(np.ceil(0.1 * s))) for s in sizes)
+  assert states[0].stats.selected[0].sum() == capacity
+  assert state.stats.selected[0].sum() == capacity
+  assert state.stats.passed[0].sum() > capacity
+
+
+def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band():
+  # Gradient scales jump around so reused thresholds pass too few values
+  # (x0.01), too many (x30), or about k (x1): each leaf on each worker must
+  # reuse H_l exactly when the count under the old H_l is within
+  # [ceil(0.5 k), capacity], and take the exact k-th largest |g| otherwise.
+  density, reuse = 0.1, 100
+  tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=reuse, refresh_below=0.5)
+  rng = np.random.default_rng(8)
+  scales = [1.0, 1.0, 0.01, 1.0, 30.0, 1.0, 1.0]
+  steps = [random_grads(PARAMS, W, rng, scale=s) for s in scales]
+  _, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = [np.zeros_like(x) for x in jax.tree_util.tree_leaves(steps[0])]
+  previous = None
+  outcomes = set()
+  for step, (grads, state) in enumerate(zip(steps, states)):
+    accumulated = [r + g for r, g in zip(residual, jax.tree_util.tree_leaves(grads))]
+    thresholds = jax.tree_util.tree_leaves(state.thresholds)
+    recomputed = np.zeros(W, int)
+    for leaf, (acc, thr) in enumerate(zip(accumulated, thresholds)):
+      for w in range(W):
+        values = np.abs(acc[w]).ravel()
+        k = max(1, int(np.ceil(density * values.size)))
+        exact = np.sort(values)[::-1][k - 1]
+        if step == 0:
+          assert thr[w] == exact
+          recomputed[w] += 1
+          continue
+        old = previous[leaf][w]
+        count = int(np.sum((values >= old) & (values > 0)))
+        if int(np.ceil(0.5 * k)) <= count <= k:
+          assert thr[w] == old, (step, leaf, w, count, k)
+          outcomes.add("reused")
+        else:
+          assert thr[w] == exact, (step, leaf, w, count, k)
+          outcomes.add("too few" if count < k else "too many")
+          recomputed[w] += 1
+    # The state counts the leaves whose threshold was computed exactly.
+    np.testing.assert_array_equal(state.stats.exact, recomputed)
+    previous = thresholds
+    residual = jax.tree_util.tree_leaves(state.residuals)
+  assert outcomes == {"reused", "too few", "too many"}
+
+
+@pytest.mark.parametrize("name", ["topk", "gtopk"])
+def test_identical_gradients_select_exact_topk(name):
+  rng = np.random.default_rng(5)
+  one = random_grads(PARAMS, 1, rng)
+  grads = jax.tree_util.tree_map(lambda x: np.repeat(x, W, axis=0), one)
+  tx = methods(0.1)[name]
+  (update,), _, _ = run_steps(tx, PARAMS, [grads], W)
+  g = flat_workers(one)[0]
+  k = int(np.ceil(0.1 * g.size))
+  want_idx = np.argsort(-np.abs(g))[:k]
+  u = flat_workers(update)[0]
+  assert set(np.flatnonzero(u)) == set(want_idx)
+  np.testing.assert_allclose(u[want_idx], g[want_idx], rtol=1e-6)
+
+
+def numpy_allgather_sparse_step(grads, residual, density, per_leaf_k):
+  """NumPy reference of one LAGS step (exact per-leaf top-k, all-gather, mean)."""
+  leaves_g = [np.asarray(x) for x in jax.tree_util.tree_leaves(grads)]
+  leaves_e = [np.asarray(x) for x in jax.tree_util.tree_leaves(residual)]
+  means, new_res = [], []
+  for g, e in zip(leaves_g, leaves_e):
+    acc = (g + e).reshape(W, -1)
+    k = per_leaf_k(acc.shape[1])
+    total = np.zeros(acc.shape[1])
+    res = acc.copy()
+    for w in range(W):
+      idx = np.argsort(-np.abs(acc[w]))[:k]
+      total[idx] += acc[w, idx]
+      res[w, idx] = 0
+    means.append(total / W)
+    new_res.append(res)
+  return np.concatenate(means), np.concatenate(new_res, axis=1)
+
+
+def test_lags_matches_numpy_reference_over_steps():
+  tx = dlgs_jax.lags(0.2, axis_name="data")
+  rng = np.random.default_rng(6)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  for grads, update, state in zip(steps, updates, states):
+    mean, new_res = numpy_allgather_sparse_step(
+        grads, residual, 0.2, lambda n: max(1, int(np.ceil(0.2 * n))))
+    np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
+    residual = state.residuals
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, **kw),
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=2, refresh_below=None,
+                               capacity_factor=1.5, **kw),
+    lambda **kw: dlgs_jax.lags(0.2, axis_name="data", **kw),
+])
+def test_layer_wise_methods_send_the_same_grouped_or_not(make):
+  """A group is one message of per-leaf segments: the same values as one message per leaf."""
+  rng = np.random.default_rng(8)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
+  per_leaf = run_steps(make(), PARAMS, steps, W)
+  grouped = run_steps(make(order=ORDER, groups=[ORDER[:3], ORDER[3:]]), PARAMS, steps, W)
+  for u_leaf, u_group, s_leaf, s_group in zip(per_leaf[0], grouped[0], per_leaf[2], grouped[2]):
+    np.testing.assert_array_equal(flat_workers(u_group), flat_workers(u_leaf))
+    np.testing.assert_array_equal(flat_workers(s_group.residuals), flat_workers(s_leaf.residuals))
+  assert np.count_nonzero(flat_workers(grouped[0][-1])) > 0
+
+
+HEAD = ["dense/bias", "dense/kernel"]
+BIASES = ["conv/bias", "dense/bias"]
+
+
+@pytest.mark.parametrize("make,whole", [
+    (lambda: dlgs_jax.lags(0.2, axis_name="data", min_ndim=2), BIASES),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1, min_ndim=2), BIASES),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, min_ndim=2, order=ORDER,
+                           groups=[ORDER[:2], ORDER[2:]]), BIASES),
+    (lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=HEAD), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD, order=ORDER,
+                           groups=[ORDER[:3], ORDER[3:]]), HEAD),
+])
+def test_leaves_sent_whole_arrive_exact_and_the_rest_stays_sparse(make, whole):
+  """min_ndim / send_whole leaves: the exact mean, no residual; nothing lost overall."""
+  rng = np.random.default_rng(16)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
+  updates, _, states = run_steps(make(), PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  for grads, update, state in zip(steps, updates, states):
+    for path in whole:
+      module, name = path.split("/")
+      want = (np.asarray(grads[module][name]) + np.asarray(residual[module][name])).mean(0)
+      np.testing.assert_allclose(np.asarray(update[module][name])[0], want,
+                                 rtol=1e-5, atol=1e-6)
+      assert not np.any(np.asarray(state.residuals[module][name]))
+    kernel = np.asarray(update["conv"]["kernel"])[0]
+    assert 0 < np.count_nonzero(kernel) <= W * int(np.ceil(0.2 * kernel.size))
+    assert np.any(np.asarray(state.residuals["conv"]["kernel"]))
+    np.testing.assert_allclose(
+        W * flat_workers(update)[0] + flat_workers(state.residuals).sum(0),
+        (flat_workers(grads) + flat_workers(residual)).sum(0), rtol=1e-5, atol=1e-5)
+    residual = state.residuals
+  # k of a whole leaf is its size: the message carries it whole.
+  want = sum(x.size if path in whole else int(np.ceil(0.2 * x.size))
+             for path, x in zip(grouping.leaf_paths(PARAMS), jax.tree_util.tree_leaves(PARAMS)))
+  assert int(states[0].stats.selected[0].sum()) == want
+
+
+@pytest.mark.parametrize("kwargs,whole", [
+    ({"min_ndim": 2}, BIASES), ({"send_whole": ["dense/kernel"]}, ["dense/kernel"])])
+def test_lags_with_whole_leaves_matches_numpy_reference(kwargs, whole):
+  tx = dlgs_jax.lags(0.2, axis_name="data", **kwargs)
+  rng = np.random.default_rng(17)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(2)]
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  residual = jax.tree_util.tree_map(np.zeros_like, steps[0])
+  sizes = dict(zip(grouping.leaf_paths(PARAMS), (x.size for x in jax.tree_util.tree_leaves(PARAMS))))
+  assert len(set(sizes.values())) == len(sizes)  # a leaf is known by its size below
+  whole_sizes = {sizes[path] for path in whole}
+  for grads, update, state in zip(steps, updates, states):
+    mean, new_res = numpy_allgather_sparse_step(
+        grads, residual, 0.2,
+        lambda n: n if n in whole_sizes else max(1, int(np.ceil(0.2 * n))))
+    np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat_workers(state.residuals), new_res, rtol=1e-5, atol=1e-6)
+    residual = state.residuals
+
+
+@pytest.mark.parametrize("factory", [dlgs_jax.dlgs, dlgs_jax.lags])
+def test_send_whole_unknown_path_raises_at_init(factory):
+  with pytest.raises(ValueError, match="dense/kernl"):
+    factory(0.1, send_whole=["dense/kernl"]).init(PARAMS)
+
+
+@pytest.mark.parametrize("send_whole", ["dense/kernel", [3], None])
+def test_send_whole_must_be_a_list_of_paths(send_whole):
+  with pytest.raises(ValueError, match="send_whole"):
+    dlgs_jax.dlgs(0.1, send_whole=send_whole)
+
+
+def test_dlgs_with_reuse_one_equals_lags():
+  rng = np.random.default_rng(7)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
+  a, _, _ = run_steps(dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1), PARAMS, steps, W)
+  b, _, _ = run_steps(dlgs_jax.lags(0.2, axis_name="data"), PARAMS, steps, W)
+  for x, y in zip(a, b):
+    np.testing.assert_allclose(flat_workers(x), flat_workers(y), rtol=1e-6, atol=1e-7)
+
+
+def test_single_worker_axis_none():
+  tx = dlgs_jax.dlgs(0.1, reuse_every=2)
+  rng = np.random.default_rng(8)
+  g = jax.tree_util.tree_map(lambda x: x[0], random_grads(PARAMS, 1, rng))
+  state = tx.init(PARAMS)
+  update, new_state = jax.jit(tx.update)(g, state)
+  np.testing.assert_allclose(flat(update) + flat(new_state.residuals), flat(g), rtol=1e-6)
+  assert float(new_state.stats.bytes_sent) == 0.0
+  assert 0 < np.count_nonzero(flat(update)) <= sum(
+      int(np.ceil(0.1 * x.size)) for x in jax.tree_util.tree_leaves(PARAMS))
+
+
+def test_stats_report_bytes_and_selection():
+  rng = np.random.default_rng(9)
+  grads = random_grads(PARAMS, W, rng)
+  sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
+  ks = [max(1, int(np.ceil(0.05 * s))) for s in sizes]
+  (_, ), state, _ = run_steps(dlgs_jax.lags(0.05, axis_name="data"), PARAMS, [grads], W)
+  assert state.stats.bytes_sent[0] == (W - 1) * sum(ks) * 8
+  assert state.stats.bytes_received[0] == (W - 1) * sum(ks) * 8
+  assert state.stats.selected[0].sum() == sum(ks)
+  summary = dlgs_jax.stats_summary(dlgs_jax.comm_stats((optax.EmptyState(), state)))
+  assert summary["bytes_sent"] == (W - 1) * sum(ks) * 8 and summary["selected"] == sum(ks)
+
+
+@pytest.mark.parametrize("name", ["dlgs", "gtopk", "topk"])
+def test_nonfinite_gradient_skips_step_and_keeps_residuals(name):
+  tx = methods(0.1)[name]
+  rng = np.random.default_rng(10)
+  good = random_grads(PARAMS, W, rng)
+  bad = random_grads(PARAMS, W, rng)
+  bad["dense"]["kernel"][3, 0, 0] = np.nan  # only worker 3 sees it
+  also_bad = random_grads(PARAMS, W, rng)
+  also_bad["conv"]["bias"][0, 1] = np.inf
+  updates, _, states = run_steps(tx, PARAMS, [good, bad, also_bad, good], W)
+  for i in (1, 2):
+    assert np.all(flat_workers(updates[i]) == 0.0)
+    np.testing.assert_array_equal(flat_workers(states[i].residuals), flat_workers(states[0].residuals))
+    assert np.all(states[i].count == 1)
+    assert np.all(np.isfinite(flat_workers(states[i].residuals)))
+  assert np.all(states[2].stats.skipped == 2)
+  assert np.all(states[3].count == 2)
+  # The step after the skipped ones is the step that would have followed the first.
+  expected, _, _ = run_steps(tx, PARAMS, [good, good], W)
+  np.testing.assert_array_equal(flat_workers(updates[3]), flat_workers(expected[1]))
+
+
+def train_toy(tx, steps=60):
+  """Linear regression on 8 workers; returns the loss curve."""
+  rng = np.random.default_rng(11)
+  true_w = rng.standard_normal((16, 4)).astype(np.float32)
+  xs = rng.standard_normal((steps, W, 8, 16)).astype(np.float32)
+  ys = xs @ true_w
+  params = {"w": jnp.zeros((16, 4)), "b": jnp.zeros((4,))}
+  mesh = parallel.data_mesh(W)
+  spec = jax.sharding.PartitionSpec("data")
+
+  def loss_fn(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  def step(p, s, x, y):
+    loss, g = jax.value_and_grad(loss_fn)(p, x[0], y[0])
+    u, s = tx.update(g, parallel.squeeze(s), p)
+    return optax.apply_updates(p, u), parallel.unsqueeze(s), jax.lax.pmean(loss, "data")
+
+  fn = jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), spec, spec, spec),
+      out_specs=(jax.sharding.PartitionSpec(), spec, jax.sharding.PartitionSpec()),
+      check_vma=False))
+  p = parallel.replicate(params, mesh)
+  s = parallel.stack_per_worker(tx.init(params), mesh)
+  losses = []
+  for t in range(steps):
+    p, s, loss = fn(p, s, *parallel.shard_batch((xs[t], ys[t]), mesh))
+    losses.append(float(loss))
+  return losses
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(dlgs_jax.dlgs(0.25, axis_name="data"), optax.sgd(0.05, momentum=0.9)),
+    lambda: optax.chain(dlgs_jax.gtopk(0.25, axis_name="data"), optax.adam(0.05)),
+    lambda: optax.chain(dlgs_jax.lags(0.25, axis_name="data"), optax.add_decayed_weights(1e-4),
+                        optax.sgd(0.05, momentum=0.9)),
+    lambda: optax.MultiSteps(
+        optax.chain(dlgs_jax.dlgs(0.25, axis_name="data"), optax.sgd(0.05)), every_k_schedule=2),
+], ids=["dlgs+sgd_momentum", "gtopk+adam", "lags+weight_decay+sgd", "multisteps(dlgs+sgd)"])
+def test_composes_with_optax_and_trains(make):
+  losses = train_toy(make())
+  assert losses[-1] < 0.25 * losses[0], losses[::10]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"density": 0.0}, "density"), ({"density": 1.5}, "density"),
+    ({"density": float("nan")}, "density"), ({"density": "0.1"}, "density"),
+    ({"density": 0.1, "reuse_every": 0}, "reuse_every"),
+    ({"density": 0.1, "reuse_every": 2.5}, "reuse_every"),
+    ({"density": 0.1, "collective": "ring"}, "ring"),
+    ({"density": 0.1, "capacity_factor": 0.5}, "capacity_factor"),
+    ({"density": 0.1, "refresh_below": 1.5}, "refresh_below"),
+    ({"density": 0.1, "refresh_below": -0.1}, "refresh_below"),
+    ({"density": 0.1, "refresh_below": True}, "refresh_below"),
+    ({"density": 0.1, "min_ndim": -1}, "min_ndim"),
+    ({"density": 0.1, "min_ndim": 1.5}, "min_ndim"),
+    ({"density": 0.1, "groups": "dense/bias"}, "dense/bias"),
+])
+def test_bad_arguments_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    dlgs_jax.dlgs(**kwargs)
+
+
+@pytest.mark.parametrize("factory", [dlgs_jax.lags, dlgs_jax.topk, dlgs_jax.gtopk])
+def test_bad_density_raises_for_every_method(factory):
+  with pytest.raises(ValueError, match="-0.1"):
+    factory(-0.1)
+
+
+@pytest.mark.parametrize("groups,order,match", [
+    ([ORDER[:2], ORDER[3:]], ORDER, "conv/bias"),               # misses a leaf
+    ([ORDER[:2], ORDER[1:]], ORDER, "dense/kernel"),           # repeats one
+    ([[ORDER[0], ORDER[2]], [ORDER[1], ORDER[3]]], ORDER, "contiguous"),
+    ([ORDER[:2], ORDER[2:], ["conv/weight"]], ORDER, "conv/weight"),
+    ([ORDER[2:], ORDER[:2]], ORDER, "backward order"),
+])
+def test_bad_groups_raise_at_init(groups, order, match):
+  for tx in (dlgs_jax.dlgs(0.1, groups=groups, order=order),
+             dlgs_jax.dense(groups=groups, order=order)):
+    with pytest.raises(ValueError, match=match):
+      tx.init(PARAMS)
+
+
+def test_tree_that_does_not_match_state_raises():
+  tx = dlgs_jax.dlgs(0.1)
+  state = tx.init(PARAMS)
+  other = {"conv": PARAMS["conv"]}
+  with pytest.raises(ValueError, match="conv/bias"):
+    tx.update(other, state)
+  reshaped = jax.tree_util.tree_map(lambda x: x, PARAMS)
+  reshaped["dense"]["bias"] = jnp.zeros((11,))
+  with pytest.raises(ValueError, match=r"dense/bias.*\(11,\)"):
+    tx.update(reshaped, state)
+
+
+def test_plan_like_object_is_accepted():
+  class Plan:
+    groups = [ORDER[:3], ORDER[3:]]
+    order = ORDER
+
+  state = dlgs_jax.dlgs(0.1, groups=Plan()).init(PARAMS)
+  assert state.stats.selected.shape == (2,)
+  assert grouping.resolve_groups(grouping.leaf_paths(PARAMS), Plan.groups, ORDER)[0] == [2, 3, 0]
+
+
+COLLECTIVE_PRIMITIVES = ("all_gather", "psum", "psum_invariant", "pmax", "ppermute",
+                         "all_to_all", "reduce_scatter")
+
+
+def _sub_jaxprs(eqn):
+  subs = []
+  for value in eqn.params.values():
+    for item in (value if isinstance(value, (list, tuple)) else [value]):
+      inner = getattr(item, "jaxpr", item)
+      if hasattr(inner, "eqns"):
+        subs.append(inner)
+  return subs
+
+
+def _collective_dependencies(jaxpr, in_deps, found, control=frozenset()):
+  """Walks `jaxpr`, recording for every collective the labels of the inputs it waits for.
+
+  An input reaches a collective through its operands (data) or through the
+  predicate of a `cond` around it (control): a branch starts only once the
+  predicate is known. Loops and other nested programs are taken whole.
+  Returns the labels each output of `jaxpr` depends on.
+  """
+  env = dict(zip(jaxpr.invars, in_deps))
+  get = lambda v: frozenset() if hasattr(v, "val") else env.get(v, frozenset())  # noqa: E731
+  for eqn in jaxpr.eqns:
+    ins = [get(v) for v in eqn.invars]
+    union = frozenset().union(*ins)
+    name = eqn.primitive.name
+    if name in COLLECTIVE_PRIMITIVES:
+      found.append((name, eqn.invars[0].aval, union | control))
+    subs = _sub_jaxprs(eqn)
+    if name == "cond":
+      outs = [frozenset()] * len(eqn.outvars)
+      for branch in subs:
+        got = _collective_dependencies(branch, ins[1:], found, control | ins[0])
+        outs = [a | b | ins[0] for a, b in zip(outs, got)]
+    elif len(subs) == 1 and len(subs[0].invars) == len(ins):
+      outs = _collective_dependencies(subs[0], ins, found, control)
+    else:
+      for sub in subs:
+        _collective_dependencies(sub, [union] * len(sub.invars), found, control | union)
+      outs = [union] * len(eqn.outvars)
+    env.update(zip(eqn.outvars, outs))
+  return [get(v) for v in jaxpr.outvars]
+
+
+PIPELINED = {
+    "dlgs": lambda: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, order=ORDER,
+                                  groups=[ORDER[:2], ORDER[2:]]),
+    "lags": lambda: dlgs_jax.lags(0.1, axis_name="data", order=ORDER),
+    "dense": lambda: dlgs_jax.dense(axis_name="data", order=ORDER,
+                                    groups=[ORDER[:2], ORDER[2:]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINED))
+def test_a_groups_collective_waits_for_its_own_gradients_only(name):
+  """Wait-free backpropagation needs each group's collective free to start as soon as
+  that group's gradients exist. The non-finite check needs every gradient; it must
+  not hold back the collectives (as a `lax.cond` around them did)."""
+  tx = PIPELINED[name]()
+  mesh = parallel.data_mesh(2)
+  state = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((2,) + x.shape, x.dtype), jax.eval_shape(tx.init, PARAMS))
+  paths = grouping.leaf_paths(PARAMS)
+  shapes = [x.shape for x in jax.tree_util.tree_leaves(PARAMS)]
+  treedef = jax.tree_util.tree_structure(PARAMS)
+  spec = jax.sharding.PartitionSpec("data")
+
+  def step(s, *grads):
+    g = jax.tree_util.tree_unflatten(treedef, [parallel.squeeze(x) for x in grads])
+    u, s = tx.update(g, parallel.squeeze(s))
+    return parallel.unsqueeze(u), parallel.unsqueeze(s)
+
+  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+  grads = [jax.ShapeDtypeStruct((2,) + shape, jnp.float32) for shape in shapes]
+  closed = jax.make_jaxpr(fn)(state, *grads)
+  labels = ([frozenset({"state"})] * len(jax.tree_util.tree_leaves(state))
+            + [frozenset({p}) for p in paths])
+  found = []
+  _collective_dependencies(closed.jaxpr, labels, found)
+  groups = ([set(ORDER[:2]), set(ORDER[2:])] if name != "lags"
+            else [{p} for p in ORDER])
+  # The gradient messages: every collective but the scalar non-finite flag.
+  messages = [(prim, aval, deps - {"state"}) for prim, aval, deps in found if aval.size > 1]
+  for prim, aval, deps in messages:
+    assert deps in groups, (prim, aval.shape, sorted(deps))
+  assert sorted(map(sorted, (deps for _, _, deps in messages))) == sorted(map(sorted, groups))
+  # The flag needs every gradient, and nothing waits for it but the final choice.
+  flags = [deps for _, aval, deps in found if aval.size == 1]
+  assert flags == [frozenset(paths)]

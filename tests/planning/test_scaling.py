@@ -1,0 +1,107 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlgs_jax.planning import planner
+from dlgs_jax.planning import network
+from dlgs_jax.planning import scaling
+from dlgs_jax.compress import selection
+from dlgs_jax.compress import wire
+from dlgs_jax.planning.timeline import LinearCost, MethodCosts, Profile, simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_profile():
+  sizes = [10, 5000, 64, 200_000, 16, 1_000_000]
+  return Profile(
+      model="toy", paths=[f"l{i}" for i in range(6)], sizes=sizes, t_forward=2e-3,
+      t_backward=[1e-4, 5e-4, 1e-4, 2e-3, 1e-4, 4e-3], workers=1,
+      sparsify={m: LinearCost(5e-5, 1e-10) for m in ("dlgs", "lags", "topk", "gtopk")},
+      comm={}, source="hand-made")
+
+
+def by_key(predictions):
+  return {(p.bandwidth_bits, p.workers, p.method): p for p in predictions}
+
+
+def test_predictions_follow_the_timeline_model_and_the_wire_formulas():
+  profile = small_profile()
+  preds = by_key(scaling.predict(profile, workers=[2, 8, 13], bandwidths=[1e9, 25e9],
+                                 density=0.01, latency=1e-5))
+  assert len(preds) == 2 * 3 * 5
+  for bits in (1e9, 25e9):
+    for p in (2, 8, 13):
+      net = profile.with_comm(network.network_comm(p, bits, 1e-5), p, "test")
+      dense = simulate(net, planner.optimal(net, MethodCosts("dense", 1.0)),
+                       MethodCosts("dense", 1.0)).t_iter
+      assert preds[bits, p, "dense"].t_iter == pytest.approx(dense)
+      assert preds[bits, p, "dense"].speedup_vs_dense == pytest.approx(1.0)
+      # lags sends every layer alone, topk/gtopk everything at once.
+      assert preds[bits, p, "lags"].groups == 6
+      assert preds[bits, p, "topk"].groups == preds[bits, p, "gtopk"].groups == 1
+      k_total = selection.num_to_keep(0.01, sum(profile.sizes))
+      assert preds[bits, p, "topk"].bytes_sent == wire.allgather_bytes(k_total, p)
+      assert preds[bits, p, "gtopk"].bytes_sent == wire.gtopk_bytes(k_total, p)[0]
+      assert preds[bits, p, "lags"].bytes_sent == sum(
+          wire.allgather_bytes(selection.num_to_keep(0.01, s), p) for s in profile.sizes)
+      assert preds[bits, p, "dense"].bytes_sent == pytest.approx(
+          wire.allreduce_bytes(sum(profile.sizes), p))
+      for method in ("dense", "topk", "lags", "gtopk", "dlgs"):
+        pred = preds[bits, p, method]
+        assert pred.speedup_vs_dense == pytest.approx(dense / pred.t_iter)
+        assert pred.t_iter >= pred.compute + pred.sparsify - 1e-12
+        assert pred.compute == pytest.approx(2e-3 + sum(profile.t_backward))
+      # DLGS is planned optimally over the same costs LAGS-style grouping would use.
+      dlgs_wfbp = simulate(net, planner.wfbp(net, MethodCosts("dlgs", 0.01)),
+                           MethodCosts("dlgs", 0.01)).t_iter
+      assert preds[bits, p, "dlgs"].t_iter <= dlgs_wfbp + 1e-15
+
+
+def test_faster_links_never_slow_anything_down_and_dense_grows_with_p():
+  preds = by_key(scaling.predict(small_profile(), workers=[2, 4, 16, 64],
+                                 bandwidths=[1e9, 10e9, 25e9], density=0.1))
+  for p in (2, 4, 16, 64):
+    for method in ("dense", "topk", "lags", "gtopk", "dlgs"):
+      times = [preds[b, p, method].t_iter for b in (1e9, 10e9, 25e9)]
+      assert times[0] >= times[1] >= times[2], (p, method, times)
+  dense = [preds[1e9, p, "dense"].t_iter for p in (2, 4, 16, 64)]
+  assert dense == sorted(dense)
+  # All-gather bytes grow linearly in P, gTop-k's only with log P.
+  assert (preds[1e9, 64, "topk"].bytes_sent / preds[1e9, 2, "topk"].bytes_sent
+          == pytest.approx(63.0))
+  assert preds[1e9, 64, "gtopk"].bytes_sent / preds[1e9, 2, "gtopk"].bytes_sent < 10
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(workers=[1]), "worker counts"),
+    (dict(workers=[4], methods=["dgc9"]), "dgc9"),
+    (dict(workers=[4], density=0.0), "density"),
+    (dict(workers=[4], bandwidths=[-1.0]), "bandwidth"),
+])
+def test_bad_input(kwargs, match):
+  args = dict(workers=[4], bandwidths=[1e9], density=0.01)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    scaling.predict(small_profile(), **args)
+
+
+def test_cli_writes_table_json_and_plot(tmp_path):
+  profile_path = tmp_path / "toy.json"
+  small_profile().save(profile_path)
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "predict_scaling.py"), "--profiles",
+       str(profile_path), "--workers", "2,4", "--bandwidths", "1gbit,10gbit",
+       "--out-dir", str(tmp_path / "out")],
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert "Measured (per worker)" in result.stdout and "Predicted" in result.stdout
+  assert "| toy | 1 Gb/s | 4 |" in result.stdout
+  data = json.loads((tmp_path / "out" / "scaling_density0.01.json").read_text())
+  assert len(data["predictions"]) == 2 * 2 * 5
+  assert data["measured"]["toy"]["source"] == "hand-made"
+  png = (tmp_path / "out" / "scaling_density0.01.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n"
