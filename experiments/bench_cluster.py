@@ -67,7 +67,7 @@ def method_costs(method: str, density: float, profile, shapes):
   """The timeline model's costs of `method` (a method or a variant) as the benchmark runs it.
 
   Args:
-    method: a benchmark method or a `train.VARIANTS` name.
+    method: a method or a variant of `dlgs_jax.compress.methods`.
     density: the run's density.
     profile: the profile measured for this model and density.
     shapes: leaf path -> parameter shape (DGC sends leaves of < 2 dims whole).

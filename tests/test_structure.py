@@ -110,3 +110,12 @@ def test_modules_and_functions_stay_small(name, path):
       if body > MAX_FUNCTION_LINES:
         long.append((node.name, body))
   assert long == [], name
+
+
+def test_no_module_reaches_into_another_modules_privates():
+  reached = []
+  for name, path in modules().items():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dlgs_jax"):
+        reached += [(name, node.module, a.name) for a in node.names if a.name.startswith("_")]
+  assert reached == []

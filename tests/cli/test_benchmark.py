@@ -51,6 +51,7 @@ def test_benchmark_on_two_processes_writes_a_consistent_breakdown(tmp_path):
   assert 0 <= result["exact_leaves"] <= result["leaves"] == 16
 
 
+@pytest.mark.slow
 def test_benchmark_checks_training_flags_it_passes_on():
   done = subprocess.run([sys.executable, "-m", "dlgs_jax.cli.benchmark", "--model", "smallcnn",
                          "--refresh-below", "bogus", "--steps", "1"],
@@ -91,6 +92,7 @@ def test_benchmark_rejects_bad_overlap_settings(tmp_path, flags, message):
   assert not (tmp_path / "o.json").exists()
 
 
+@pytest.mark.slow
 def test_benchmark_compares_methods_in_interleaved_rounds(tmp_path):
   # One process with two devices: the rounds, not the transport, are under test here.
   out = tmp_path / "compare.json"

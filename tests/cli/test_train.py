@@ -16,7 +16,7 @@ from dlgs_jax.workload import models
 from dlgs_jax.planning import planner
 from dlgs_jax.cli import train
 from dlgs_jax.compress.methods import MethodConfig
-from dlgs_jax.training.config import SECTIONS
+from dlgs_jax.training.config import SECTIONS, load_config
 from dlgs_jax.training.plans import backward_order_of
 from dlgs_jax.planning.timeline import LinearCost, Profile
 from tests.helpers import child_env, params_shas
@@ -39,6 +39,7 @@ def sha_of(output):
   return shas[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dlgs", "lags", "topk", "gtopk", "dense", "dgc", "terngrad"])
 def test_every_method_trains_and_logs(tmp_path, method):
   result = run_cli([*SMALL, "--method", method, "--density", "0.05", "--local-devices", "4",
@@ -64,6 +65,7 @@ def test_every_method_trains_and_logs(tmp_path, method):
   assert "epoch   1/1" in result.stdout and "summary:" in result.stdout
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
   args = [*SMALL, "--local-devices", "2", "--steps", "40", "--density", "0.05",
           "--reuse-every", "3", "--checkpoint-every", "4", "--check-every", "10"]
@@ -125,6 +127,7 @@ def smallcnn_plan(workers):
   return planner.make_plan(profile, "dlgs", 0.05, "optimal")
 
 
+@pytest.mark.slow
 def test_plan_file_is_used_and_checked(tmp_path):
   plan = smallcnn_plan(workers=2)
   assert 1 < len(plan.groups) < len(plan.order)
@@ -134,6 +137,9 @@ def test_plan_file_is_used_and_checked(tmp_path):
   assert ok.returncode == 0, ok.stderr[-3000:]
   summary = json.loads((tmp_path / "a" / "summary.json").read_text())
   assert summary["plan_groups"] == len(plan.groups)
+  # The run wrote the config it resolved from its flags.
+  assert load_config(str(tmp_path / "a" / "config.json")) == train.config_from_args(
+      [*args, "--local-devices", "2", "--workdir", str(tmp_path / "a")])
   assert planner.Plan.load(tmp_path / "a" / "plan.json") == plan
   wrong_p = run_cli([*args, "--local-devices", "4", "--workdir", str(tmp_path / "b")])
   assert wrong_p.returncode != 0 and "made for 2 workers, this run has 4" in wrong_p.stderr
@@ -142,6 +148,7 @@ def test_plan_file_is_used_and_checked(tmp_path):
   assert wrong_model.returncode != 0 and "does not match these parameters" in wrong_model.stderr
 
 
+@pytest.mark.slow
 def test_planner_profiles_and_plans_on_the_fly(tmp_path):
   result = run_cli([*SMALL, "--local-devices", "2", "--steps", "2", "--planner", "optimal",
                     "--bandwidth", "1gbit", "--workdir", str(tmp_path)])
@@ -176,6 +183,7 @@ def test_bad_flags_are_named(flags, message):
     train.config_from_args(flags)
 
 
+@pytest.mark.slow
 def test_send_whole_head_sends_the_classifier_whole(tmp_path):
   """SmallCNN's head (128x10 + 10) rides whole in DLGS's message: the bytes show it."""
   density, workers = 0.05, 2
@@ -238,6 +246,7 @@ def test_demo_preset_yields_to_given_flags():
   assert fresh.checkpoint.workdir.startswith("runs/demo-") and fresh.schedule.epochs == 10
 
 
+@pytest.mark.slow
 def test_trains_on_an_image_folder_with_sync_batchnorm(tmp_path):
   from PIL import Image
   rng = np.random.default_rng(0)

@@ -122,6 +122,7 @@ def test_bench_cluster_refit_needs_kept_profiles():
     bench.main(["--refit-profiles", "--out-dir", "unused"])
 
 
+@pytest.mark.slow
 def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   # Full CIFAR-10's format through --data-dir, in miniature (320 train / 64 test
   # images: 5 steps an epoch), so that four trainings stay quick.
@@ -266,6 +267,7 @@ def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settin
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "run_suite.py"), "--out-dir",
              str(tmp_path)]
@@ -281,6 +283,7 @@ def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   assert any((tmp_path / "ring").iterdir())
 
 
+@pytest.mark.slow
 def test_budget_share_measures_where_global_topk_sends_and_the_head_variant(tmp_path):
   share = load("budget_share")
   assert share.main(["--model", "smallcnn", "--density", "0.1", "--steps", "3",

@@ -210,6 +210,7 @@ ENTRY %main (a: f32[4]) -> (f32[8], f32[4]) {
     profiling.measure_overlap(mesh, size=4, message=8)
 
 
+@pytest.mark.slow
 def test_measure_update_fits_every_method():
   costs, raw = profiling.measure_update([4096, 65536], 0.01, repeats=2, reuse_every=4)
   assert set(costs) == set(profiling.UPDATE_METHODS) | {"dlgs_exact", "dlgs_reuse"}
@@ -504,6 +505,7 @@ def test_scaled_update_costs_price_the_whole_model_as_the_step_measured_it():
   assert again["dlgs"] == pytest.approx((measured["dlgs_exact"] + 9 * measured["dlgs_reuse"]) / 10)
 
 
+@pytest.mark.slow
 def test_measure_update_in_step_pairs_the_step_with_and_without_the_update():
   model, shape = models.create_model("smallcnn")
   images, labels = data.benchmark_batches(shape, 10, 3, 1, 4)
@@ -525,6 +527,7 @@ def test_measure_update_in_step_pairs_the_step_with_and_without_the_update():
                                     order)
 
 
+@pytest.mark.slow
 def test_measure_refresh_counts_exact_thresholds_over_real_steps():
   model, shape = models.create_model("smallcnn")
   variables = model.init(jax.random.key(0), jnp.zeros((1,) + shape), train=False)
@@ -584,6 +587,7 @@ def run_cli(*args, timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
   # The configuration test_train's on-the-fly planner profiles, so the suite's shared
   # compilation cache serves one of the two.
@@ -619,6 +623,7 @@ def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
   assert negative.returncode != 0 and "got -1" in negative.stderr
 
 
+@pytest.mark.slow
 def test_profile_model_times_updates_on_the_models_real_gradients():
   model, shape = models.create_model("smallcnn")
   images, labels = data.benchmark_batches(shape, 10, 2, 1, 4)
