@@ -18,7 +18,7 @@ from pathlib import Path
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(
-      prog="python -m dlgs_jax.cli.plan", description=__doc__.splitlines()[0])
+      prog="dlgs-plan", description=__doc__.splitlines()[0])
   parser.add_argument("--model", required=True, help="smallcnn, resnet20, vgg16 or resnet50")
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--method", default="dlgs", help="method the plan is for (dlgs, lags, dense)")

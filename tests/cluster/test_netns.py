@@ -17,7 +17,9 @@ from tests.helpers import child_env, params_shas
 # cores, and one cleans up stale namespaces.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.cluster,
               pytest.mark.xdist_group("emulated_cluster")]
-REASON = netns.unavailable_reason(install=True) if sys.platform == "linux" else "not Linux"
+# Read only: scripts/setup_env.sh installs iproute2 for the tests (nothing is installed
+# while tests are collected).
+REASON = netns.unavailable_reason(install=False) if sys.platform == "linux" else "not Linux"
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 ROOT = Path(__file__).resolve().parents[2]
 
