@@ -165,10 +165,9 @@ class Method:
     name: its key in `METHODS`.
     summary: one line for help texts.
     build: ``(MethodConfig, context) -> GradientTransformation``.
-    uses_density: False for the methods ``density`` changes nothing in
-      (experiments run those once).
+    options: the `MethodConfig` fields it reads (the others change nothing in
+      it: a run may resume with them changed).
     takes_groups: a run may give it planned groups (``--planner``/``--plan``).
-    layer_wise: takes ``min_ndim`` and ``send_whole`` (a budget per leaf).
     holds_momentum: the optimizer's momentum lives inside it (DGC), so the
       optimizer chain around it differs.
     planner_prices: `planning.planner.make_plan` can group it.
@@ -187,9 +186,8 @@ class Method:
   name: str
   summary: str
   build: Callable
-  uses_density: bool = True
+  options: tuple[str, ...] = ("density",)
   takes_groups: bool = False
-  layer_wise: bool = False
   holds_momentum: bool = False
   planner_prices: bool = True
   modelled: bool = True
@@ -199,6 +197,16 @@ class Method:
   grouping: str = "single"
   collective: str = "allgather"
   message_bytes: Callable = lambda size, k, workers: wire.allgather_bytes(k, workers)
+
+  @property
+  def uses_density(self) -> bool:
+    """False for the methods ``density`` changes nothing in (experiments run those once)."""
+    return "density" in self.options
+
+  @property
+  def layer_wise(self) -> bool:
+    """Takes ``min_ndim`` and ``send_whole`` (a budget per leaf)."""
+    return "send_whole" in self.options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,23 +265,26 @@ def _dgc_bytes(size: int, k: int, workers: int) -> float:
   return wire.allgather_bytes(min(size, math.ceil(DGC_BAND_UPPER * k)), workers)
 
 
+_LAYER_WISE = ("density", "min_ndim", "send_whole", "collective")
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dense", "all-reduce of everything, fused into planned groups", _build_dense,
-           uses_density=False, takes_groups=True, grouping="optimal", collective="allreduce",
+           options=(), takes_groups=True, grouping="optimal", collective="allreduce",
            message_bytes=lambda size, k, workers: wire.allreduce_bytes(size, workers)),
     Method("topk", "global top-k of all leaves, all-gathered", _build_topk),
     Method("lags", "exact top-k per leaf every step (LAGS)", _build_lags, takes_groups=True,
-           layer_wise=True, per_leaf_update=True, whole_layers=True, grouping="wfbp"),
+           options=_LAYER_WISE, per_leaf_update=True, whole_layers=True, grouping="wfbp"),
     Method("gtopk", "global top-k of the sum in log2 P pairwise rounds", _build_gtopk,
            collective="gtopk", message_bytes=lambda size, k, workers: wire.gtopk_bytes(k, workers)[0]),
     Method("dlgs", "per-leaf thresholds, exact every reuse_every steps, planned merging",
-           _build_dlgs, takes_groups=True, layer_wise=True, whole_layers=True,
+           _build_dlgs, takes_groups=True, whole_layers=True,
+           options=_LAYER_WISE + ("reuse_every", "refresh_below"),
            grouping="optimal"),
     Method("dgc", "Deep Gradient Compression (sampled thresholds, momentum correction)",
-           _build_dgc, holds_momentum=True, planner_prices=False, per_leaf_update=True,
+           _build_dgc, options=("density", "dgc_warmup_epochs"), holds_momentum=True, planner_prices=False, per_leaf_update=True,
            whole_layers=True, whole_below_ndim=2, grouping="wfbp", message_bytes=_dgc_bytes),
     Method("terngrad", "TernGrad: stochastic ternary values, 4 per byte", _build_terngrad,
-           uses_density=False, planner_prices=False, per_leaf_update=True, grouping="wfbp",
+           options=("terngrad_clip",), planner_prices=False, per_leaf_update=True, grouping="wfbp",
            message_bytes=lambda size, k, workers: wire.packed_allgather_bytes(
                wire.ternary_bytes(size), workers)),
 )}

@@ -1,54 +1,104 @@
-"""Checkpoints of a whole training run with orbax-checkpoint.
+"""Checkpoints of a whole training run with orbax-checkpoint, verified end to end.
 
 A checkpoint holds the `training.TrainState` (parameters, BatchNorm statistics,
 the full optimizer state -- error-feedback residuals and DLGS thresholds of
-every worker -- and the step) plus a JSON record: the run's identity (model,
-method, density, world size, plan, ...), the data position and the plan.
+every worker -- and the step) plus a JSON record: the run's identity (every
+setting that changes what the saved arrays mean or what the run computes), the
+data position, the plan, a fingerprint of every saved array and a SHA-256 of the
+record itself.
 
-Restoring first reads the JSON record and compares the identity with the run
-asking for it; any difference in a key that changes what the saved arrays mean
-(`IDENTITY_KEYS`) is refused with `CheckpointMismatch` before any array is read,
-so a checkpoint is never silently misread. Saves are atomic (orbax writes to a
-temporary directory and renames), so a process killed mid-save leaves the
-previous checkpoint intact; leftovers are removed on the next start.
+Restoring reads the newest checkpoint's record and compares the identity with
+the run asking for it: any difference is refused with `CheckpointMismatch`,
+naming each differing setting, before any array is read. The arrays are then
+restored and their fingerprints compared with the record's. A checkpoint that
+cannot be read, whose record or arrays fail their checks, or that lacks a part
+is reported in one line and the next older one is tried; a state that does not
+verify is never returned. Saves are atomic (orbax writes to a temporary
+directory and renames), so a process killed mid-save leaves the previous
+checkpoints intact.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
-
-# Keys of the run record that must match for a checkpoint to be restored.
-IDENTITY_KEYS = ("model", "method", "density", "reuse_every", "collective", "workers",
-                 "batch_size", "plan_id", "dataset", "num_examples", "image_shape",
-                 "num_classes", "seed")
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 class CheckpointMismatch(ValueError):
   """A checkpoint belongs to a different run configuration."""
 
 
+class CheckpointCorrupt(RuntimeError):
+  """No checkpoint in the directory passed its checks."""
+
+
+def _bits(leaf: jax.Array) -> jax.Array:
+  """The raw bits of `leaf` as uint32 values (any dtype up to 32 bits)."""
+  leaf = jnp.asarray(leaf)
+  if leaf.dtype == jnp.bool_:
+    return leaf.astype(jnp.uint32).reshape(-1)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32).reshape(-1)
+
+
+def _fingerprints(leaves):
+  prints = []
+  for leaf in leaves:
+    bits = _bits(leaf)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    prints.append(jnp.stack([jnp.sum(bits), jnp.sum(bits * weights)]))
+  return jnp.stack(prints) if prints else jnp.zeros((0, 2), jnp.uint32)
+
+
+def tree_fingerprints(tree: Any) -> list[list[int]]:
+  """Two wrapping sums (plain and position-weighted) of the raw bits of each leaf.
+
+  Computed on the devices over the global arrays, so every process gets the same
+  numbers for a tree sharded over many; any flipped bit changes a leaf's pair.
+  """
+  leaves = jax.tree_util.tree_leaves(tree)
+  shardings = [x.sharding for x in leaves if isinstance(x, jax.Array)]
+  out = None
+  if shardings and isinstance(shardings[0], NamedSharding):
+    out = NamedSharding(shardings[0].mesh, PartitionSpec())
+  result = jax.jit(_fingerprints, out_shardings=out)(leaves)
+  return np.asarray(result).astype(np.int64).tolist()
+
+
+def record_digest(record: dict[str, Any]) -> str:
+  """SHA-256 of a record's canonical JSON, its own ``digest`` left out."""
+  body = {k: v for k, v in record.items() if k != "digest"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 class Checkpointer:
-  """Saves and restores training state plus a JSON run record.
+  """Saves and restores training state plus a verified JSON run record.
 
   Args:
     directory: where checkpoints live (created; shared by all processes).
-    run: this run's identity record (`IDENTITY_KEYS` and anything else).
+    identity: this run's identity, a flat dict of settings; a checkpoint is
+      restored only into a run of the same identity.
     max_to_keep: how many of the most recent checkpoints are kept.
     asynchronous: write in a background thread (training continues meanwhile).
+    warn: called with a one-line message for each checkpoint passed over.
   """
 
-  def __init__(self, directory, run: dict[str, Any], *, max_to_keep: int = 3,
-               asynchronous: bool = True):
+  def __init__(self, directory, identity: dict[str, Any], *, max_to_keep: int = 3,
+               asynchronous: bool = True, warn: Optional[Callable[[str], None]] = None):
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}")
-    missing = [k for k in IDENTITY_KEYS if k not in run]
-    if missing:
-      raise ValueError(f"run record lacks identity keys {missing}")
-    self.run = dict(run)
+    if not identity:
+      raise ValueError("a checkpointer needs the run's identity (a non-empty dict)")
+    self.identity = dict(identity)
+    self.warn = warn or (lambda message: None)
     self.directory = os.path.abspath(os.fspath(directory))
     self.manager = ocp.CheckpointManager(
         self.directory,
@@ -60,27 +110,41 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self.manager.all_steps())
+    return sorted(self.manager.all_steps())
 
   def save(self, step: int, state: Any, *, data_position: dict[str, int],
            plan_json: Optional[str] = None, force: bool = False) -> bool:
     """Saves `state` as checkpoint `step` (every process must call this)."""
-    record = {"run": self.run, "data": dict(data_position), "plan": plan_json, "step": int(step)}
+    record = {"identity": self.identity, "data": dict(data_position), "plan": plan_json,
+              "step": int(step), "fingerprints": tree_fingerprints(state)}
+    record["digest"] = record_digest(record)
     return self.manager.save(
         int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                            record=ocp.args.JsonSave(record)), force=force)
 
   def read_record(self, step: Optional[int] = None) -> dict[str, Any]:
-    """The JSON record of checkpoint `step` (default: the latest)."""
+    """The verified JSON record of checkpoint `step` (default: the latest).
+
+    Raises:
+      CheckpointCorrupt: the record cannot be read or fails its digest.
+    """
     step = self._step(step)
-    restored = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))
-    return restored["record"]
+    try:
+      restored = self.manager.restore(
+          step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))
+      record = dict(restored["record"])
+    except Exception as e:  # orbax raises many kinds for a damaged directory
+      raise CheckpointCorrupt(f"its record cannot be read ({_first_line(e)})") from None
+    if record.get("digest") != record_digest(record):
+      raise CheckpointCorrupt("its record does not match its SHA-256")
+    return record
 
   def check(self, record: dict[str, Any]) -> None:
-    """Raises `CheckpointMismatch` if `record` is from a different run configuration."""
-    saved = record.get("run", {})
-    differ = [(k, saved.get(k), self.run.get(k)) for k in IDENTITY_KEYS
-              if _normal(saved.get(k)) != _normal(self.run.get(k))]
+    """Raises `CheckpointMismatch` naming every setting that differs from this run's."""
+    saved = record.get("identity", {})
+    keys = sorted(set(saved) | set(self.identity))
+    differ = [(k, saved.get(k), self.identity.get(k)) for k in keys
+              if _normal(saved.get(k)) != _normal(self.identity.get(k))]
     if differ:
       text = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in differ)
       raise CheckpointMismatch(
@@ -88,18 +152,19 @@ class Checkpointer:
           f"({text}); use another --workdir or the original settings")
 
   def restore(self, target: Any, step: Optional[int] = None) -> tuple[Any, dict[str, Any]]:
-    """Restores checkpoint `step` (default: latest) into the structure of `target`.
+    """Restores and verifies checkpoint `step` into the structure of `target`.
 
     Args:
       target: a state of this run (e.g. freshly initialised); its shapes, dtypes
         and shardings say how the arrays are laid out on this mesh.
-      step: which checkpoint.
+      step: which checkpoint (default: the latest).
 
     Returns:
       (state, record).
 
     Raises:
       CheckpointMismatch: the checkpoint belongs to another configuration.
+      CheckpointCorrupt: it cannot be read or does not verify.
       FileNotFoundError: there is no checkpoint.
     """
     step = self._step(step)
@@ -107,9 +172,36 @@ class Checkpointer:
     self.check(record)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
-    restored = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    return restored["state"], record
+    try:
+      restored = self.manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    except Exception as e:
+      raise CheckpointCorrupt(f"its arrays cannot be read ({_first_line(e)})") from None
+    if tree_fingerprints(restored) != record.get("fingerprints"):
+      raise CheckpointCorrupt("its arrays do not match the fingerprints it was saved with")
+    return restored, record
+
+  def restore_latest_good(self, target: Any) -> tuple[Any, dict[str, Any]]:
+    """The newest checkpoint that restores and verifies; each one passed over is warned of.
+
+    Raises:
+      CheckpointMismatch: a readable checkpoint belongs to another configuration
+        (never passed over: the directory is another run's).
+      CheckpointCorrupt: no checkpoint verifies.
+      FileNotFoundError: there is no checkpoint.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    for i, step in enumerate(steps):
+      try:
+        return self.restore(target, step)
+      except CheckpointCorrupt as e:
+        following = f"; trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
+        self.warn(f"checkpoint step {step} in {self.directory} is damaged: {e}{following}")
+    raise CheckpointCorrupt(f"no checkpoint in {self.directory} passes its checks (steps "
+                            f"{', '.join(map(str, steps))}); move the directory away to start "
+                            "afresh")
 
   def wait(self) -> None:
     """Blocks until a background save has finished."""
@@ -123,6 +215,11 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     return int(step)
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 def _normal(value):

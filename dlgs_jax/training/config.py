@@ -153,6 +153,17 @@ class CheckpointConfig:
   check_every: int = 100
 
 
+# Options that change neither what a checkpoint's arrays mean nor what the run
+# computes: a run may resume with them changed. (The workers, the plan's groups and
+# the dataset are compared by what they resolve to, not by how they were given.)
+FREE_OPTIONS = frozenset({
+    "checkpoint.workdir", "checkpoint.resume", "checkpoint.checkpoint_every",
+    "checkpoint.keep", "checkpoint.stop_after", "checkpoint.check_every",
+    "processes.workers", "processes.coordinator", "processes.num_processes",
+    "processes.process_id", "processes.local_devices", "data.eval_batch_size",
+    "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
+    "plan.latency"})
+
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig,
             "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "plan": PlanConfig,
             "processes": ProcessConfig, "checkpoint": CheckpointConfig}
@@ -198,6 +209,17 @@ class RunConfig:
       else:
         raise ConfigError("config", key, f"unknown section; sections: {sorted(SECTIONS)}, seed")
     return cls(**kwargs)
+
+  def identity(self) -> dict[str, Any]:
+    """Every option that a resumed run must share with its checkpoint, as
+    ``{"section.option": value}`` (`FREE_OPTIONS` left out)."""
+    flat = {"seed": self.seed}
+    for section in SECTIONS:
+      for key, value in dataclasses.asdict(getattr(self, section)).items():
+        flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
+    taken = {f"method.{name}" for name in ("name",) + self.method.spec.options}
+    return {k: v for k, v in flat.items()
+            if k not in FREE_OPTIONS and (not k.startswith("method.") or k in taken)}
 
   def validate(self) -> "RunConfig":
     """Raises `ConfigError` naming the first bad value, before any work starts."""

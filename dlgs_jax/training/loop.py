@@ -156,28 +156,20 @@ def build_run(config: RunConfig) -> Run:
 
 
 def run_identity(run: Run) -> dict:
-  """The checkpoint's record of what this run is (`checkpoint.IDENTITY_KEYS` and more)."""
-  import jax
-
+  """What a checkpoint of this run must match: the config's identity and what it resolved to."""
   config, method, plan = run.config, run.config.method, run.plan
-  layer_wise = method.spec.layer_wise
-  return {
-      "model": config.model.name, "method": method.name,
-      "density": method.effective_density(),
-      "reuse_every": method.reuse_every if method.name == "dlgs" else None,
-      "collective": method.collective if layer_wise else None,
-      "min_ndim": method.min_ndim if layer_wise else None,
-      "send_whole": method.whole_paths(run.order) if layer_wise else None,
+  identity = config.identity()
+  identity.update({
+      "workers": run.workers,
+      "send_whole": method.whole_paths(run.order) if method.spec.layer_wise else None,
       "dgc_warmup_steps": run.warmup if method.spec.holds_momentum else None,
-      "terngrad_clip": method.terngrad_clip if method.name == "terngrad" else None,
-      "workers": run.workers, "batch_size": config.data.batch_size,
       "plan_id": (hashlib.sha256(json.dumps(plan.groups).encode()).hexdigest()[:16]
                   if plan is not None else f"default:{config.plan.planner}"),
       "dataset": run.dataset_name, "num_examples": int(len(run.train_set.labels)),
       "image_shape": list(run.train_set.image_shape), "num_classes": run.train_set.num_classes,
-      "seed": config.seed, "processes": jax.process_count(),
-      "total_steps": run.total_steps, "lr": config.optimizer.lr,
-  }
+      "total_steps": run.total_steps,
+  })
+  return identity
 
 
 def restore_or_start(run: Run, ckpt) -> int:
@@ -198,9 +190,11 @@ def restore_or_start(run: Run, ckpt) -> int:
     raise RunError(f"{directory} already holds checkpoints (latest step {ckpt.latest_step()}); "
                    "pass --resume to continue, or use another --workdir")
   try:
-    run.state, record = ckpt.restore(run.state)
+    run.state, record = ckpt.restore_latest_good(run.state)
   except checkpoint.CheckpointMismatch as e:
     raise RunError(f"refusing to resume: {e}") from None
+  except checkpoint.CheckpointCorrupt as e:
+    raise RunError(str(e)) from None
   start = int(record["step"])
   run.log(f"resumed from step {start} (epoch {record['data']['epoch']}, "
           f"batch {record['data']['batch']} of {run.steps_per_epoch})")
@@ -211,20 +205,38 @@ def train(config: RunConfig) -> dict:
   """Trains the run `config` describes; returns its summary (also in ``summary.json``).
 
   Raises:
-    RunError: naming what stops the run before it starts (bad data, a
-      checkpoint of another run, a plan for another model ...).
+    RunError: naming what stops the run before it starts (a workdir in use by
+      another run, bad data, a checkpoint of another run, a plan for another
+      model ...).
   """
-  from dlgs_jax.training import checkpoint, step
+  import jax
+
+  from dlgs_jax.training.workdir import WorkdirBusy, lock_for_run
 
   config.validate()
   workdir = Path(config.checkpoint.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   try:
+    lock = lock_for_run(workdir, jax.process_index() == 0)
+  except WorkdirBusy as e:
+    raise RunError(str(e)) from None
+  try:
+    return _train_locked(config, workdir)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train_locked(config: RunConfig, workdir: Path) -> dict:
+  from dlgs_jax.training import checkpoint, step
+
+  try:
     run = build_run(config)
   except (PlanError, ConfigError) as e:
     raise RunError(str(e)) from None
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", run_identity(run),
-                                 max_to_keep=config.checkpoint.keep)
+                                 max_to_keep=config.checkpoint.keep,
+                                 warn=lambda m: run.log(f"warning: {m}"))
   try:
     start = restore_or_start(run, ckpt)
   except RunError:

@@ -102,14 +102,55 @@ def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
   losses = {r["step"]: r["loss"] for r in records(tmp_path / "whole") if "loss" in r}
   assert all(losses[r["step"]] == r["loss"] for r in records(workdir) if "loss" in r)
 
-  # Checkpoints of another configuration are refused, never misread.
-  for extra, message in ((["--method", "lags"], "method: checkpoint 'dlgs', this run 'lags'"),
-                         (["--local-devices", "4"], "workers: checkpoint 2, this run 4"),
-                         (["--batch-size", "16"], "batch_size: checkpoint 8, this run 16")):
+  # Checkpoints of another configuration are refused, never misread: every setting
+  # that changes what the state means or what the run computes is named.
+  for extra, message in (
+      (["--method", "lags"], "method.name: checkpoint 'dlgs', this run 'lags'"),
+      (["--local-devices", "4"], "workers: checkpoint 2, this run 4"),
+      (["--batch-size", "16"], "data.batch_size: checkpoint 8, this run 16"),
+      (["--min-ndim", "2"], "method.min_ndim: checkpoint 0, this run 2"),
+      (["--refresh-below", "none"], "method.refresh_below: checkpoint 0.5, this run None"),
+      (["--send-whole", "head"], "method.send_whole: checkpoint [], this run ['head']"),
+      (["--sync-bn", "--nesterov"], "model.sync_bn: checkpoint False, this run True; "
+       "optimizer.nesterov: checkpoint False, this run True"),
+      (["--momentum", "0"], "optimizer.momentum: checkpoint 0.9, this run 0.0")):
     refused = run_cli([*args, *extra, "--workdir", str(workdir), "--resume"])
     assert refused.returncode != 0 and message in refused.stderr, refused.stderr[-2000:]
+  # Settings that change neither may differ.
+  free = run_cli([*args, "--check-every", "7", "--keep", "2", "--workdir", str(workdir),
+                  "--resume"])
+  assert free.returncode == 0 and "resumed from step 40" in free.stdout, free.stderr[-2000:]
   again = run_cli([*args, "--workdir", str(workdir)])
   assert again.returncode != 0 and "pass --resume" in again.stderr
+
+
+@pytest.mark.slow
+def test_one_run_per_workdir_and_a_dead_runs_lock_is_recovered(tmp_path):
+  args = [*SMALL, "--local-devices", "2", "--steps", "200", "--density", "0.05",
+          "--checkpoint-every", "2", "--check-every", "0", "--workdir", str(tmp_path)]
+  first = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args],
+                           env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and first.poll() is None:
+      if metrics.exists() and '"step": 4,' in metrics.read_text():
+        break
+      time.sleep(0.05)
+    assert first.poll() is None, "the first run ended before the second started"
+    for extra in ([], ["--resume"]):
+      second = run_cli([*args, *extra])
+      assert second.returncode != 0, second.stdout[-2000:]
+      assert f"in use by a live run (process {first.pid} on" in second.stderr, second.stderr
+      assert second.stderr.count("\n") == 1  # one line, no traceback
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+  # The dead run's lock file is still there; the kernel dropped the lock itself.
+  assert (tmp_path / ".lock").exists()
+  resumed = run_cli([*args, "--resume", "--stop-after", "2"])
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "resumed from step" in resumed.stdout and "stopped after 2 steps" in resumed.stdout
 
 
 def smallcnn_plan(workers):

@@ -10,7 +10,8 @@ from dlgs_jax.workload import data
 from dlgs_jax.workload import models
 from dlgs_jax.workload import parallel
 
-RUN = {key: f"value-{key}" for key in checkpoint.IDENTITY_KEYS}
+RUN = {"model.name": "smallcnn", "method.name": "dlgs", "method.density": 0.05, "workers": 4,
+       "plan_id": "default:none", "data.batch_size": 4, "seed": 0}
 
 
 def trained_state(steps=2, workers=4):
@@ -45,7 +46,7 @@ def test_round_trip_restores_everything_bit_for_bit(tmp_path, states):
   ckpt.wait()
   restored, record = ckpt.restore(fresh)
   assert record["data"] == {"epoch": 0, "batch": 2} and record["plan"] == '{"x": 1}'
-  assert record["step"] == 2 and record["run"] == RUN
+  assert record["step"] == 2 and record["identity"] == RUN
   assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
   for a, b in zip(host(restored), saved):
     np.testing.assert_array_equal(a, b)
@@ -66,7 +67,7 @@ def test_keeps_the_last_n_and_refuses_other_runs(tmp_path, states):
   ckpt.wait()
   assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
   ckpt.close()
-  for key, value in (("workers", 8), ("method", "lags"), ("plan_id", "other")):
+  for key, value in (("workers", 8), ("method.name", "lags"), ("plan_id", "other")):
     other = checkpoint.Checkpointer(tmp_path, dict(RUN, **{key: value}))
     with pytest.raises(checkpoint.CheckpointMismatch, match=f"{key}: checkpoint"):
       other.restore(fresh)
@@ -74,10 +75,81 @@ def test_keeps_the_last_n_and_refuses_other_runs(tmp_path, states):
 
 
 def test_bad_arguments(tmp_path):
-  with pytest.raises(ValueError, match="identity keys"):
-    checkpoint.Checkpointer(tmp_path, {"model": "x"})
+  with pytest.raises(ValueError, match="identity"):
+    checkpoint.Checkpointer(tmp_path, {})
   with pytest.raises(ValueError, match="max_to_keep"):
     checkpoint.Checkpointer(tmp_path, RUN, max_to_keep=0)
   empty = checkpoint.Checkpointer(tmp_path / "none", RUN)
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     empty.restore({})
+
+
+def _data_files(step_dir):
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+
+
+def _flip(path, offset):
+  data = bytearray(path.read_bytes())
+  data[offset % len(data)] ^= 0x40
+  path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flip a byte early in the largest array file": lambda d: _flip(_data_files(d)[0], 4096),
+    "flip a byte mid-way in the largest array file":
+        lambda d: _flip(_data_files(d)[0], _data_files(d)[0].stat().st_size // 2),
+    "flip a byte mid-way in the second array file":
+        lambda d: _flip(_data_files(d)[1], _data_files(d)[1].stat().st_size // 2),
+    "truncate the largest array file": lambda d: _data_files(d)[0].write_bytes(
+        _data_files(d)[0].read_bytes()[:_data_files(d)[0].stat().st_size // 2]),
+    "random bytes in the largest array file": lambda d: _data_files(d)[0].write_bytes(
+        np.random.default_rng(0).bytes(_data_files(d)[0].stat().st_size)),
+    "empty the record": lambda d: (d / "record" / "metadata").write_text(""),
+    "change the record": lambda d: (d / "record" / "metadata").write_text(
+        (d / "record" / "metadata").read_text().replace('"epoch": 0', '"epoch": 7')),
+    "delete the arrays": lambda d: __import__("shutil").rmtree(d / "state"),
+    "delete the record": lambda d: __import__("shutil").rmtree(d / "record"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_restored(
+    tmp_path, states, damage):
+  state, fresh = states
+  later = jax.tree_util.tree_map(lambda x: x + 1 if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+                                 else x, state)
+  warnings = []
+  ckpt = checkpoint.Checkpointer(tmp_path, RUN, warn=warnings.append)
+  ckpt.save(1, state, data_position={"epoch": 0, "batch": 1})
+  ckpt.save(2, later, data_position={"epoch": 0, "batch": 2})
+  ckpt.wait()
+  ckpt.close()
+  DAMAGE[damage](tmp_path / "2")
+  ckpt = checkpoint.Checkpointer(tmp_path, RUN, warn=warnings.append)
+  restored, record = ckpt.restore_latest_good(fresh)
+  assert record["step"] == 1 and record["data"]["batch"] == 1
+  for a, b in zip(host(restored), host(state)):
+    np.testing.assert_array_equal(a, b)
+  assert len(warnings) == 1 and "checkpoint step 2" in warnings[0] and "trying step 1" in warnings[0]
+  assert "\n" not in warnings[0]
+  # Every checkpoint damaged: refused in one line, never a state that does not verify.
+  DAMAGE[damage](tmp_path / "1")
+  with pytest.raises(checkpoint.CheckpointCorrupt, match="no checkpoint .* passes its checks"):
+    ckpt.restore_latest_good(fresh)
+  ckpt.close()
+
+
+def test_fingerprints_see_one_flipped_bit_in_any_leaf(states):
+  state, _ = states
+  prints = checkpoint.tree_fingerprints(state)
+  leaves = jax.tree_util.tree_leaves(state)
+  assert len(prints) == len(leaves)
+  for i in (0, len(leaves) // 2, len(leaves) - 1):
+    changed = list(leaves)
+    flat = np.array(np.asarray(leaves[i]), copy=True).reshape(-1)
+    view = flat.view(np.uint8) if flat.dtype != np.bool_ else flat
+    view[-1] ^= 1
+    changed[i] = flat.reshape(np.shape(leaves[i]))
+    other = checkpoint.tree_fingerprints(changed)
+    assert other[i] != prints[i] and other[:i] + other[i + 1:] == prints[:i] + prints[i + 1:]
