@@ -144,6 +144,8 @@ FLAGS = (
          "with a checkpoint (continue with --resume); 0: run to the end", int),
     Flag("--check-every", "checkpoint", "check_every", "verify every N steps that all workers "
          "hold identical parameters (0: only at the start and end)", int),
+    Flag("--nonfinite-limit", "checkpoint", "nonfinite_limit", "stop when the loss has been "
+         "non-finite this many steps in a row (no checkpoint is saved meanwhile)", int),
     Flag("--seed", "seed", "seed", "parameter, data-order and method seed", int),
 )
 FLAG_OF = {(f.section, f.option): f.flag for f in FLAGS}

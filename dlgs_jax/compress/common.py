@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dlgs_jax.compress import engine
+from dlgs_jax.compress import engine, grouping
 
 
 def check_density(density) -> float:
@@ -73,7 +73,7 @@ def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
 
 def unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name,
                       communicate, skip):
-  """``communicate()`` if every worker's `grads` are finite, else ``skip()``.
+  """``communicate()`` if every worker's `grads` and the means are finite, else ``skip()``.
 
   With `skip_nonfinite` False: ``communicate()``, no check.
 
@@ -97,9 +97,11 @@ def unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name
   """
   if not skip_nonfinite:
     return communicate()
-  finite = all_finite(grads, axis_name)
-  return jax.tree_util.tree_map(lambda sent, kept: jnp.where(finite, sent, kept),
-                                communicate(), skip())
+  sent, kept = communicate(), skip()
+  # Finite gradients can still sum past the float range. The means are identical on
+  # every worker, so each decides the same way without another collective.
+  finite = all_finite(grads, axis_name) & all_finite(jax.tree_util.tree_leaves(sent[0]), None)
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), sent, kept)
 
 
 def as_varying(tree, axis_name):
@@ -124,3 +126,23 @@ def as_varying(tree, axis_name):
     return lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree_util.tree_map(cast, tree)
+
+
+def check_matches(grads, reference, against: str) -> None:
+  """Raises ValueError unless `grads` has `reference`'s structure and shapes.
+
+  Args:
+    grads: the gradient tree given to an update.
+    reference: the tree the transform's state (or the parameters) was built for.
+    against: what `reference` is, for the message (e.g. "the optimizer state").
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(grads)
+  reference_leaves, reference_def = jax.tree_util.tree_flatten(reference)
+  if treedef != reference_def:
+    raise ValueError(f"the gradients do not match {against}: the gradients have leaves "
+                     f"{grouping.leaf_paths(grads)!r}, {against} has leaves "
+                     f"{grouping.leaf_paths(reference)!r}")
+  for path, leaf, ref in zip(grouping.leaf_paths(grads), leaves, reference_leaves):
+    if tuple(jnp.shape(leaf)) != tuple(jnp.shape(ref)):
+      raise ValueError(f"the gradient leaf {path!r} has shape {tuple(jnp.shape(leaf))}, in "
+                       f"{against} it has shape {tuple(jnp.shape(ref))}")

@@ -177,12 +177,11 @@ def dgc(
 
   def update_fn(updates, state, params=None):
     del params
+    common.check_matches(updates, state.velocity, "the optimizer state")
     grads, treedef, sparse, dense = _split(updates, min_ndim)
     grads = [g.astype(jnp.float32) for g in grads]
     velocity = jax.tree_util.tree_leaves(state.velocity)
     residuals = jax.tree_util.tree_leaves(state.residuals)
-    if len(velocity) != len(grads):
-      raise ValueError(f"gradients have {len(grads)} leaves, the DGC state {len(velocity)}")
     step = _Step(settings, state, grads, velocity, residuals, sparse, dense)
     means, new_u, new_v, stats, count = common.unless_nonfinite(
         skip_nonfinite, grads, axis_name, step.communicate, step.skip)

@@ -80,20 +80,6 @@ def make_layout(
   )
 
 
-def check_same_tree(layout: Layout, tree: Any, what: str) -> None:
-  """Raises ValueError unless `tree` has the layout's structure and shapes."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  if treedef != layout.treedef:
-    raise ValueError(
-        f"{what} do not match the optimizer state: got leaves "
-        f"{grouping.leaf_paths(tree)!r}, the state was built for {list(layout.paths)!r}")
-  for path, leaf, shape in zip(layout.paths, leaves, layout.shapes):
-    if tuple(leaf.shape) != shape:
-      raise ValueError(
-          f"{what}: leaf {path!r} has shape {tuple(leaf.shape)}, the optimizer "
-          f"state was built for {shape}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Selection:
   """How a worker picks the values it sends.

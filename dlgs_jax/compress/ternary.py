@@ -88,7 +88,8 @@ def terngrad(
     return TernGradState(jnp.zeros((), jnp.int32), key, empty_stats(len(layout.groups)))
 
   def update_fn(updates, state, params=None):
-    del params
+    if params is not None:
+      common.check_matches(updates, params, "the parameters")
     layout = layout_of(updates)
     grads = [g.astype(jnp.float32) for g in jax.tree_util.tree_leaves(updates)]
     workers = collectives.num_workers(axis_name)

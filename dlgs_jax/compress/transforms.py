@@ -69,8 +69,8 @@ def _sparse_transform(
 
   def update_fn(updates, state, params=None):
     del params
+    common.check_matches(updates, state.residuals, "the optimizer state")
     layout = layout_of(updates)
-    engine.check_same_tree(layout, state.residuals, "gradients")
     grads = jax.tree_util.tree_leaves(updates)
     old_residuals = jax.tree_util.tree_leaves(state.residuals)
     accumulated = [e + g.astype(e.dtype) for e, g in zip(old_residuals, grads)]
@@ -276,7 +276,8 @@ def dense(
     return DenseState(jnp.zeros((), jnp.int32), empty_stats(len(layout_of(params).groups)))
 
   def update_fn(updates, state, params=None):
-    del params
+    if params is not None:
+      common.check_matches(updates, params, "the parameters")
     layout = layout_of(updates)
     grads = jax.tree_util.tree_leaves(updates)
     num_groups = len(layout.groups)

@@ -144,6 +144,8 @@ class CheckpointConfig:
       (time-limited jobs); 0: run to the end.
     check_every: verify every N steps that all workers hold identical
       parameters (0: only at the start and end).
+    nonfinite_limit: stop the run when the loss has been non-finite this many
+      steps in a row (no checkpoint is saved while it is non-finite).
   """
   workdir: str = "runs/train"
   resume: bool = False
@@ -151,6 +153,7 @@ class CheckpointConfig:
   keep: int = 3
   stop_after: int = 0
   check_every: int = 100
+  nonfinite_limit: int = 20
 
 
 # Options that change neither what a checkpoint's arrays mean nor what the run
@@ -159,6 +162,7 @@ class CheckpointConfig:
 FREE_OPTIONS = frozenset({
     "checkpoint.workdir", "checkpoint.resume", "checkpoint.checkpoint_every",
     "checkpoint.keep", "checkpoint.stop_after", "checkpoint.check_every",
+    "checkpoint.nonfinite_limit",
     "processes.workers", "processes.coordinator", "processes.num_processes",
     "processes.process_id", "processes.local_devices", "data.eval_batch_size",
     "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
@@ -229,26 +233,69 @@ class RunConfig:
     return self
 
 
-def _validate_run(config: RunConfig) -> None:
-  plan, data, schedule, ckpt = config.plan, config.data, config.schedule, config.checkpoint
-  if plan.planner not in PLANNERS:
-    raise ConfigError("planner", plan.planner, f"choose from {PLANNERS}")
-  if data.dataset not in DATASETS:
-    raise ConfigError("dataset", data.dataset, "choose auto, cifar10, imagefolder or synthetic")
+# Step counts, seeds and sizes live in int32 on the devices.
+INT32_MAX = 2**31 - 1
+
+
+def _check_int(option: str, value, low: int, high: int = INT32_MAX) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    raise ConfigError(option, value, f"must be an integer in [{low}, {high}]")
+
+
+def _validate_counts(config: RunConfig) -> None:
+  data, schedule, ckpt, processes = (config.data, config.schedule, config.checkpoint,
+                                     config.processes)
   for option, value, low in (("epochs", schedule.epochs, 1), ("batch_size", data.batch_size, 1),
                              ("keep", ckpt.keep, 1),
                              ("checkpoint_every", ckpt.checkpoint_every, 0),
                              ("stop_after", ckpt.stop_after, 0),
                              ("check_every", ckpt.check_every, 0),
+                             ("nonfinite_limit", ckpt.nonfinite_limit, 1),
                              ("eval_batch_size", data.eval_batch_size, 1),
-                             ("synthetic_examples", data.synthetic_examples, 1)):
-    if value < low:
-      raise ConfigError(option, value, f"must be >= {low}")
-  if schedule.steps is not None and schedule.steps < 1:
-    raise ConfigError("steps", schedule.steps, "must be >= 1")
+                             ("synthetic_examples", data.synthetic_examples, 1),
+                             ("seed", config.seed, 0)):
+    _check_int(option, value, low)
+  for option, value, low in (("steps", schedule.steps, 1), ("image_size", data.image_size, 8),
+                             ("workers", processes.workers, 1),
+                             ("num_processes", processes.num_processes, 1),
+                             ("process_id", processes.process_id, 0)):
+    if value is not None:
+      _check_int(option, value, low)
+  if processes.local_devices is not None:
+    _check_int("local_devices", processes.local_devices, 1, 1024)
+  _check_int("reuse_every", config.method.reuse_every, 1)
+
+
+def _validate_schedule_and_plan(config: RunConfig) -> None:
+  from dlgs_jax.planning.network import parse_bandwidth
+
+  plan, schedule = config.plan, config.schedule
   if schedule.lr_decay_epochs is not None and not all(
-      isinstance(e, (int, float)) and math.isfinite(e) for e in schedule.lr_decay_epochs):
-    raise ConfigError("lr_decay_epochs", schedule.lr_decay_epochs, "give numbers")
+      isinstance(e, (int, float)) and math.isfinite(e) and e >= 0
+      for e in schedule.lr_decay_epochs):
+    raise ConfigError("lr_decay_epochs", ",".join(map(str, schedule.lr_decay_epochs)),
+                      "give epochs >= 0")
+  if not (isinstance(plan.latency, (int, float)) and math.isfinite(plan.latency)
+          and plan.latency >= 0):
+    raise ConfigError("latency", plan.latency, "must be a number of seconds >= 0")
+  if plan.bandwidth is not None:
+    try:
+      parse_bandwidth(plan.bandwidth)
+    except ValueError as e:
+      raise ConfigError("bandwidth", plan.bandwidth, str(e)) from None
+  for option, path in (("plan", plan.plan), ("profile", plan.profile)):
+    if path is not None and not Path(path).is_file():
+      raise ConfigError(option, path, "no such file")
+
+
+def _validate_run(config: RunConfig) -> None:
+  plan, data = config.plan, config.data
+  if plan.planner not in PLANNERS:
+    raise ConfigError("planner", plan.planner, f"choose from {PLANNERS}")
+  if data.dataset not in DATASETS:
+    raise ConfigError("dataset", data.dataset, "choose auto, cifar10, imagefolder or synthetic")
+  _validate_counts(config)
+  _validate_schedule_and_plan(config)
   method = config.method
   if not method.spec.takes_groups and (plan.planner != "none" or plan.plan):
     raise ConfigError("planner/--plan", plan.plan or plan.planner,

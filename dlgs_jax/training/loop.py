@@ -10,6 +10,7 @@ parameters every ``check_every`` steps, and writes ``config.json``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -21,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from dlgs_jax.compress.methods import ConfigError
 from dlgs_jax.compress.optimizer import build_optimizer
-from dlgs_jax.training.config import CIFAR_MODELS, RunConfig
+from dlgs_jax.training.config import CIFAR_MODELS, INT32_MAX, RunConfig
 from dlgs_jax.training.metrics import MetricsLog, tree_sha256
 from dlgs_jax.training.plans import PlanError, backward_order_of, make_or_load_plan
 
@@ -125,8 +126,14 @@ def build_run(config: RunConfig) -> Run:
   axis, workers = mesh.axis_names[0], int(mesh.devices.size)
   model, _ = models.create_model(config.model.name, num_classes=train_set.num_classes,
                                  bn_axis_name=axis if config.model.sync_bn else None)
-  spe = data.steps_per_epoch(len(train_set.labels), workers, config.data.batch_size)
+  try:
+    spe = data.steps_per_epoch(len(train_set.labels), workers, config.data.batch_size)
+  except ValueError as e:
+    raise RunError(f"--batch-size {config.data.batch_size}: {e}") from None
   total_steps = config.schedule.total_steps(spe)
+  if total_steps > INT32_MAX:
+    raise RunError(f"{total_steps} steps in all ({config.schedule.epochs} epochs x {spe}) do "
+                   f"not fit the int32 step counter: give fewer --epochs or --steps")
   schedule = optax.piecewise_constant_schedule(config.optimizer.lr, {
       b: 0.1 for b in config.schedule.decay_boundaries(spe, total_steps) if 0 < b < total_steps})
   sample = np.zeros((1,) + train_set.image_shape, np.uint8)
@@ -290,6 +297,7 @@ class _Loop:
     self.result: Optional[dict] = None
     self.stopped = False  # by stop_after
     self.plan_json = run.plan.to_json() if run.plan is not None else None
+    self.nonfinite = 0  # steps in a row whose loss was not finite
     self.metrics_log = MetricsLog(run.workdir / "metrics.jsonl", run.leader, start)
 
   def resolve(self, bar) -> None:
@@ -302,8 +310,17 @@ class _Loop:
     loss, accuracy = float(metrics["loss"]), float(metrics["accuracy"])
     now = time.perf_counter()
     step_time, self.last_done = now - self.last_done, now
-    if not math.isfinite(loss):
+    self.nonfinite = 0 if math.isfinite(loss) else self.nonfinite + 1
+    if self.nonfinite:
       run.log(f"warning: non-finite loss at step {done_step}")
+    limit = run.config.checkpoint.nonfinite_limit
+    if self.nonfinite >= limit:
+      latest = self.ckpt.latest_step()
+      kept = (f"the last checkpoint (step {latest}) holds the state before" if latest is not None
+              else "no checkpoint was saved")
+      raise RunError(f"the loss has been non-finite for {limit} steps in a row (steps "
+                     f"{done_step - limit + 1}-{done_step}); stopped without saving: {kept}. "
+                     "Lower --lr, or check the data")
     record = {"step": done_step, "epoch": epoch, "loss": loss, "accuracy": accuracy,
               "lr": float(run.schedule(done_step - 1)), "step_time": step_time,
               "images_per_s": run.workers * run.config.data.batch_size / step_time}
@@ -317,7 +334,13 @@ class _Loop:
                       img_s=f"{record['images_per_s']:.0f}", refresh=False)
       bar.update(1)
 
-  def save(self, force: bool = False) -> None:
+  def save(self, bar=None, force: bool = False) -> None:
+    """Checkpoints the current step, unless its loss is not finite (checked first)."""
+    self.resolve(bar)
+    if self.nonfinite or not _all_finite(self.run.state.params):
+      self.run.log(f"warning: no checkpoint at step {self.step}: the loss or the parameters "
+                   "are not finite")
+      return
     spe = self.run.steps_per_epoch
     position = {"epoch": self.step // spe, "batch": self.step % spe, "steps_per_epoch": spe}
     self.ckpt.save(self.step, self.run.state, data_position=position, plan_json=self.plan_json,
@@ -365,7 +388,7 @@ class _Loop:
       end_of_epoch = batch_index + 1 == steps_this_epoch
       every = ckpt_settings.checkpoint_every
       if (every and self.step % every == 0) or (not every and end_of_epoch):
-        self.save()
+        self.save(bar)
       if ckpt_settings.stop_after and self.step - self.start >= ckpt_settings.stop_after:
         self.stopped = True
         break
@@ -404,6 +427,23 @@ class _Loop:
     if self.ckpt.latest_step() != self.step:
       self.save(force=True)
     self.ckpt.wait()
+
+
+@functools.cache
+def _finite_fn():
+  import jax
+  import jax.numpy as jnp
+
+  return jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))
+
+
+def _all_finite(tree) -> bool:
+  """Whether every value of `tree` is finite (one reduction on the devices)."""
+  import jax
+  import jax.numpy as jnp
+
+  leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return bool(_finite_fn()(leaves)) if leaves else True
 
 
 def _summarize(run: Run, loop: _Loop) -> dict:

@@ -1,6 +1,7 @@
 """The training CLI, run as users run it: separate processes on CPU devices."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -218,9 +219,24 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--method", "dgc", "--send-whole", "head"], "--send-whole 'head' is invalid: applies to "
      "lags and dlgs, not dgc"),
     (["--lr-decay-epochs", "a,b"], "--lr-decay-epochs 'a,b' is invalid"),
+    (["--lr-decay-epochs", "-5"], "--lr-decay-epochs '-5.0' is invalid: give epochs >= 0"),
+    (["--lr-decay-epochs", "nan"], "--lr-decay-epochs 'nan' is invalid"),
+    (["--seed", "-1"], "--seed -1 is invalid: must be an integer in"),
+    (["--reuse-every", "1e11"], "--reuse-every '1e11' is invalid: must be int"),
+    (["--reuse-every", "100000000000"], "--reuse-every 100000000000 is invalid"),
+    (["--epochs", "1000000000000"], "--epochs 1000000000000 is invalid"),
+    (["--steps", "0"], "--steps 0 is invalid"),
+    (["--terngrad-clip", "nan"], "--terngrad-clip nan is invalid"),
+    (["--dgc-warmup-epochs", "nan"], "--dgc-warmup-epochs nan is invalid"),
+    (["--latency", "nan"], "--latency nan is invalid"),
+    (["--image-size", "0"], "--image-size 0 is invalid: must be an integer in [8,"),
+    (["--local-devices", "5000"], "--local-devices 5000 is invalid"),
+    (["--bandwidth", "foo"], "--bandwidth 'foo' is invalid: bandwidth must look like"),
+    (["--plan", "/nonexistent/plan.json"], "--plan '/nonexistent/plan.json' is invalid: no such"),
+    (["--nonfinite-limit", "0"], "--nonfinite-limit 0 is invalid"),
 ])
 def test_bad_flags_are_named(flags, message):
-  with pytest.raises(SystemExit, match=message):
+  with pytest.raises(SystemExit, match=re.escape(message)):
     train.config_from_args(flags)
 
 
@@ -311,3 +327,22 @@ def test_trains_on_an_image_folder_with_sync_batchnorm(tmp_path):
   assert missing.returncode != 0 and "resnet50 needs --data-dir" in missing.stderr
 
 
+
+
+@pytest.mark.slow
+def test_runs_that_cannot_train_stop_in_one_line_without_saving_nan(tmp_path):
+  big = run_cli([*SMALL, "--batch-size", "100000", "--local-devices", "2",
+                 "--workdir", str(tmp_path / "big")])
+  assert big.returncode != 0 and "--batch-size 100000: 3805 examples cannot fill" in big.stderr
+  assert big.stderr.count("\n") == 1, big.stderr
+  long = run_cli([*SMALL, "--epochs", "2000000000", "--local-devices", "2",
+                  "--workdir", str(tmp_path / "long")])
+  assert long.returncode != 0 and "do not fit the int32 step counter" in long.stderr
+  nan = run_cli([*SMALL, "--lr", "1e30", "--local-devices", "2", "--steps", "30",
+                 "--checkpoint-every", "3", "--nonfinite-limit", "4",
+                 "--workdir", str(tmp_path / "nan")])
+  assert nan.returncode != 0 and "non-finite for 4 steps in a row" in nan.stderr, nan.stderr
+  assert nan.stderr.count("\n") == 1, nan.stderr
+  assert "no checkpoint at step 3" in nan.stdout
+  saved = [p.name for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit()]
+  assert saved == [] and "no checkpoint was saved" in nan.stderr
