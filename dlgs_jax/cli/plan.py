@@ -56,9 +56,34 @@ def check(args) -> "float | None":
   if args.in_step_rounds is not None and args.in_step_rounds < 0:
     raise SystemExit(f"--in-step-rounds must be >= 0, got {args.in_step_rounds}")
   try:
+    _check_numbers(args)
     return parse_refresh_below(args.refresh_below)
   except ConfigError as e:
     raise SystemExit(flag_message(e)) from None
+
+
+def _check_numbers(args) -> None:
+  """Raises `ConfigError` for the first flag out of its range."""
+  import math
+
+  from dlgs_jax.compress.methods import ConfigError, MethodConfig
+  from dlgs_jax.planning.network import parse_bandwidth
+
+  MethodConfig(args.method, density=args.density, reuse_every=args.reuse_every).validate()
+  for option, value, low in (("workers", args.workers, 1), ("devices", args.devices, 1),
+                             ("batch_size", args.batch_size, 1), ("repeats", args.repeats, 1),
+                             ("image_size", args.image_size, 8)):
+    if value is not None and value < low:
+      raise ConfigError(option, value, f"must be >= {low}")
+  if not (math.isfinite(args.latency) and args.latency >= 0):
+    raise ConfigError("latency", args.latency, "must be a number of seconds >= 0")
+  if args.bandwidth is not None:
+    try:
+      parse_bandwidth(args.bandwidth)
+    except ValueError as e:
+      raise ConfigError("bandwidth", args.bandwidth, str(e)) from None
+  if args.profile is not None and not Path(args.profile).is_file():
+    raise ConfigError("profile", args.profile, "no such file")
 
 
 def measured_profile(args, refresh, out_dir: Path):
@@ -67,7 +92,10 @@ def measured_profile(args, refresh, out_dir: Path):
   from dlgs_jax.planning.timeline import Profile
 
   if args.profile:
-    profile = Profile.load(args.profile)
+    try:
+      profile = Profile.load(args.profile)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise SystemExit(f"--profile {args.profile!r} is not a profile: {e}") from None
     if profile.model != args.model:
       raise SystemExit(f"profile {args.profile} is for model {profile.model!r}, not {args.model!r}")
     print(f"profile {args.profile}: {profile.source}")

@@ -37,7 +37,7 @@ def child_env(base: dict, rank: int, nproc: int, coordinator: str, local_devices
   env = dict(base)
   env.update(DLGS_COORDINATOR_ADDRESS=coordinator, DLGS_NUM_PROCESSES=str(nproc),
              DLGS_PROCESS_ID=str(rank), DLGS_LOCAL_DEVICES=str(local_devices),
-             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+             JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", DLGS_PARENT_PID=str(os.getpid()))
   # A forced host device count would contradict DLGS_LOCAL_DEVICES.
   flags = without_forced_device_count(env.get("XLA_FLAGS", ""))
   if flags:
@@ -52,6 +52,19 @@ def without_forced_device_count(xla_flags: str) -> str:
   sets its own device count."""
   return " ".join(f for f in xla_flags.split()
                   if not f.startswith("--xla_force_host_platform_device_count"))
+
+
+class _Stopped(Exception):
+  """The launcher itself was asked to stop (by `signum`)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+# Signals that stop the launcher; each is passed on to the processes as SIGTERM, on
+# which a run saves a checkpoint and leaves.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _stream(rank: int, pipe, lock: threading.Lock, out) -> None:
@@ -84,6 +97,23 @@ def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
   _signal_live(procs, signal.SIGKILL)
   for p in procs:
     p.wait()
+
+
+def _forward_stop(signum: int, procs, grace: float, lock, out) -> int:
+  """Passes a stop on as SIGTERM; 0 when every process then saved and left cleanly."""
+  name = signal.Signals(signum).name
+  with lock:
+    out.write(f"dlgs-launch: {name}: asking every process to save and stop\n")
+    out.flush()
+  _stop(procs, grace)
+  codes = [p.returncode for p in procs]
+  if all(code == 0 for code in codes):
+    return 0
+  with lock:
+    out.write(f"dlgs-launch: {name}: processes {[r for r, c in enumerate(codes) if c != 0]} "
+              f"did not stop cleanly (statuses {codes})\n")
+    out.flush()
+  return 128 + signum
 
 
 def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, port: int = 0,
@@ -119,9 +149,9 @@ def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, por
   failed: Optional[tuple[int, int]] = None
 
   def on_signal(signum, frame):
-    raise KeyboardInterrupt
+    raise _Stopped(signum)
 
-  previous = signal.signal(signal.SIGTERM, on_signal)
+  previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
   try:
     for rank in range(nproc):
       env = child_env(os.environ, rank, nproc, coordinator, local_devices)
@@ -143,13 +173,11 @@ def launch(nproc: int, child_args: Sequence[str], *, local_devices: int = 1, por
       if failed or all(code == 0 for code in codes):
         break
       time.sleep(0.05)
-  except KeyboardInterrupt:
-    with lock:
-      out.write("dlgs-launch: interrupted, stopping all processes\n")
-    _stop(procs, grace)
-    return 130
+  except _Stopped as stop:
+    return _forward_stop(stop.signum, procs, grace, lock, out)
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
     if failed:
       _stop(procs, grace)
     for t in threads:

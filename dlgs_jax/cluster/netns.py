@@ -266,6 +266,15 @@ def main(argv=None) -> int:
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--bandwidth", default="1gbit")
   args = parser.parse_args(argv[:split])
+  from dlgs_jax.planning.network import parse_bandwidth
+  try:
+    parse_bandwidth(args.bandwidth)
+  except ValueError as e:
+    parser.error(f"--bandwidth {args.bandwidth!r}: {e}")
+  if not 1 <= args.workers <= 250:
+    parser.error(f"--workers must be in [1, 250], got {args.workers}")
+  if split == len(argv) or not argv[split + 1:]:
+    parser.error("give the training flags after --, e.g. -- --model resnet20 --steps 30")
   reason = unavailable_reason()
   if reason:
     print(f"dlgs_jax.cluster: cannot build an emulated cluster here: {reason}", file=sys.stderr)

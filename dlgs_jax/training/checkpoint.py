@@ -33,7 +33,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 
 class CheckpointMismatch(ValueError):
-  """A checkpoint belongs to a different run configuration."""
+  """A checkpoint belongs to a different run configuration.
+
+  Attributes:
+    differences: ``{setting: (checkpoint's value, this run's value)}``.
+  """
+
+  def __init__(self, message: str, differences: dict):
+    super().__init__(message)
+    self.differences = differences
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -139,25 +147,32 @@ class Checkpointer:
       raise CheckpointCorrupt("its record does not match its SHA-256")
     return record
 
-  def check(self, record: dict[str, Any]) -> None:
-    """Raises `CheckpointMismatch` naming every setting that differs from this run's."""
+  def check(self, record: dict[str, Any], allow: frozenset = frozenset()) -> None:
+    """Raises `CheckpointMismatch` naming every setting that differs from this run's.
+
+    Args:
+      record: a checkpoint's record.
+      allow: settings that may differ (the caller deals with them).
+    """
     saved = record.get("identity", {})
     keys = sorted(set(saved) | set(self.identity))
-    differ = [(k, saved.get(k), self.identity.get(k)) for k in keys
-              if _normal(saved.get(k)) != _normal(self.identity.get(k))]
-    if differ:
-      text = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in differ)
+    differ = {k: (saved.get(k), self.identity.get(k)) for k in keys
+              if _normal(saved.get(k)) != _normal(self.identity.get(k))}
+    if set(differ) - set(allow):
+      text = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differ.items())
       raise CheckpointMismatch(
           f"checkpoint in {self.directory} was written by a different run configuration "
-          f"({text}); use another --workdir or the original settings")
+          f"({text}); use another --workdir or the original settings", differ)
 
-  def restore(self, target: Any, step: Optional[int] = None) -> tuple[Any, dict[str, Any]]:
+  def restore(self, target: Any, step: Optional[int] = None, *,
+              allow: frozenset = frozenset()) -> tuple[Any, dict[str, Any]]:
     """Restores and verifies checkpoint `step` into the structure of `target`.
 
     Args:
       target: a state of this run (e.g. freshly initialised); its shapes, dtypes
         and shardings say how the arrays are laid out on this mesh.
       step: which checkpoint (default: the latest).
+      allow: identity settings that may differ (`check`).
 
     Returns:
       (state, record).
@@ -169,9 +184,11 @@ class Checkpointer:
     """
     step = self._step(step)
     record = self.read_record(step)
-    self.check(record)
+    self.check(record, allow)
+    # Device arrays come back laid out like the target's; host arrays as host arrays.
     abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, jax.Array) else x, target)
     try:
       restored = self.manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
@@ -181,7 +198,17 @@ class Checkpointer:
       raise CheckpointCorrupt("its arrays do not match the fingerprints it was saved with")
     return restored, record
 
-  def restore_latest_good(self, target: Any) -> tuple[Any, dict[str, Any]]:
+  def latest_identity(self) -> Optional[dict[str, Any]]:
+    """The identity in the newest readable record (None when none can be read)."""
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        return self.read_record(step).get("identity", {})
+      except CheckpointCorrupt:
+        continue
+    return None
+
+  def restore_latest_good(self, target: Any, *, allow: frozenset = frozenset()
+                          ) -> tuple[Any, dict[str, Any]]:
     """The newest checkpoint that restores and verifies; each one passed over is warned of.
 
     Raises:
@@ -195,7 +222,7 @@ class Checkpointer:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     for i, step in enumerate(steps):
       try:
-        return self.restore(target, step)
+        return self.restore(target, step, allow=allow)
       except CheckpointCorrupt as e:
         following = f"; trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
         self.warn(f"checkpoint step {step} in {self.directory} is damaged: {e}{following}")

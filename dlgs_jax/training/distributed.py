@@ -10,6 +10,7 @@ collectives for CPU runs. A run with one process needs nothing.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import jax
@@ -18,6 +19,10 @@ ENV_COORDINATOR = "DLGS_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "DLGS_NUM_PROCESSES"
 ENV_PROCESS_ID = "DLGS_PROCESS_ID"
 ENV_LOCAL_DEVICES = "DLGS_LOCAL_DEVICES"
+ENV_PARENT_PID = "DLGS_PARENT_PID"  # set by dlgs-launch: die with it
+# A process whose peer died learns it from the coordination service's heartbeats:
+# within seconds rather than JAX's default 100 s; shutdown waits at most 30 s.
+_TIMEOUTS = {"heartbeat_timeout_seconds": 10, "shutdown_timeout_seconds": 30}
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -47,6 +52,24 @@ def in_slurm_job() -> bool:
   return all(name in os.environ for name in SLURM_VARIABLES)
 
 
+def die_with_parent() -> None:
+  """A launched process (``DLGS_PARENT_PID`` set) gets SIGTERM when its launcher dies.
+
+  SIGTERM makes a run save a checkpoint and leave (`training.preemption`), so a
+  launcher killed outright does not leave its processes running without it.
+  Linux only; elsewhere nothing happens.
+  """
+  parent = _env_int(ENV_PARENT_PID)
+  if parent is None or not sys.platform.startswith("linux"):
+    return
+  import ctypes
+  import signal
+
+  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  if os.getppid() != parent:  # the launcher was already gone
+    raise SystemExit(f"the launcher (process {parent}) has exited; not starting")
+
+
 def initialize(
     coordinator_address: Optional[str] = None,
     num_processes: Optional[int] = None,
@@ -70,6 +93,7 @@ def initialize(
   Raises:
     ValueError: when the settings are incomplete or inconsistent.
   """
+  die_with_parent()
   coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
   num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
   process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
@@ -102,6 +126,7 @@ def initialize(
     # gloo only matters for CPU collectives; GPU runs use NCCL regardless.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if explicit:
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               **_TIMEOUTS)
   else:
-    jax.distributed.initialize()  # JAX reads SLURM's variables itself
+    jax.distributed.initialize(**_TIMEOUTS)  # JAX reads SLURM's variables itself

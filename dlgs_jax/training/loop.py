@@ -25,6 +25,7 @@ from dlgs_jax.compress.optimizer import build_optimizer
 from dlgs_jax.training.config import CIFAR_MODELS, INT32_MAX, RunConfig
 from dlgs_jax.training.metrics import MetricsLog, tree_sha256
 from dlgs_jax.training.plans import PlanError, backward_order_of, make_or_load_plan
+from dlgs_jax.training.preemption import PreemptionWatch
 
 
 class RunError(Exception):
@@ -197,15 +198,58 @@ def restore_or_start(run: Run, ckpt) -> int:
     raise RunError(f"{directory} already holds checkpoints (latest step {ckpt.latest_step()}); "
                    "pass --resume to continue, or use another --workdir")
   try:
-    run.state, record = ckpt.restore_latest_good(run.state)
+    try:
+      run.state, record = ckpt.restore_latest_good(run.state)
+    except checkpoint.CheckpointMismatch as e:
+      if not set(e.differences) <= RESHARDABLE or "workers" not in e.differences:
+        raise
+      record = _restore_on_other_workers(run, ckpt, e.differences)
   except checkpoint.CheckpointMismatch as e:
     raise RunError(f"refusing to resume: {e}") from None
   except checkpoint.CheckpointCorrupt as e:
     raise RunError(str(e)) from None
   start = int(record["step"])
-  run.log(f"resumed from step {start} (epoch {record['data']['epoch']}, "
-          f"batch {record['data']['batch']} of {run.steps_per_epoch})")
+  run.log(f"resumed from step {start} (epoch {start // run.steps_per_epoch}, batch "
+          f"{start % run.steps_per_epoch} of {run.steps_per_epoch})")
   return start
+
+
+# What may differ when a run resumes on another number of workers: the count, and
+# the steps an epoch-long schedule has with the new global batch.
+RESHARDABLE = frozenset({"workers", "total_steps"})
+
+
+def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
+  """Restores a checkpoint of another worker count onto this run's, residual mass kept."""
+  import jax
+  import numpy as np
+
+  from dlgs_jax.training import reshard
+  from dlgs_jax.workload import parallel
+
+  def host(x, rows=None):
+    shape = x.shape if rows is None else (rows,) + tuple(x.shape[1:])
+    return np.zeros(shape, x.dtype)
+
+  saved_workers = int(differences["workers"][0])
+  state = run.state
+  target = state._replace(
+      params=jax.tree_util.tree_map(host, state.params),
+      batch_stats=jax.tree_util.tree_map(host, state.batch_stats),
+      opt_state=jax.tree_util.tree_map(lambda x: host(x, saved_workers), state.opt_state),
+      step=host(state.step))
+  restored, record = ckpt.restore_latest_good(target, allow=RESHARDABLE)
+  row = reshard.redistribute(restored.opt_state, run.workers)
+  run.state = state._replace(
+      params=parallel.replicate(restored.params, run.mesh),
+      batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
+      opt_state=parallel.stack_per_worker(row, run.mesh),
+      step=parallel.replicate(restored.step, run.mesh))
+  run.log(f"the checkpoint was written by {saved_workers} workers, this run has "
+          f"{run.workers}: residuals redistributed with their sum kept"
+          + (f"; the schedule now has {run.total_steps} steps (it had "
+             f"{differences['total_steps'][0]})" if "total_steps" in differences else ""))
+  return record
 
 
 def train(config: RunConfig) -> dict:
@@ -222,16 +266,47 @@ def train(config: RunConfig) -> dict:
 
   config.validate()
   workdir = Path(config.checkpoint.workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
   try:
+    workdir.mkdir(parents=True, exist_ok=True)
     lock = lock_for_run(workdir, jax.process_index() == 0)
   except WorkdirBusy as e:
     raise RunError(str(e)) from None
+  except OSError as e:
+    raise RunError(f"--workdir {workdir}: {e.strerror or e}") from None
   try:
     return _train_locked(config, workdir)
+  except Exception as e:
+    failure = None if isinstance(e, RunError) else _write_failure(e)
+    if failure is None:
+      raise
+    _remove_partial_checkpoints(workdir / "checkpoints")
+    raise RunError(f"cannot write to {workdir}: {failure}; the last complete checkpoint "
+                   "is kept") from None
   finally:
     if lock is not None:
       lock.release()
+
+
+# What a failed write says, wherever it surfaces (orbax reports them as ValueError).
+_WRITE_FAILURES = ("No space left on device", "Read-only file system", "Disk quota exceeded",
+                   "Permission denied")
+
+
+def _write_failure(error: Exception) -> Optional[str]:
+  """The reason when `error` is a failed write to the disk, else None."""
+  if isinstance(error, OSError):
+    return error.strerror or str(error)
+  return next((marker for marker in _WRITE_FAILURES if marker in str(error)), None)
+
+
+def _remove_partial_checkpoints(directory: Path) -> None:
+  """Deletes the temporary directories of checkpoints that were never completed."""
+  import shutil
+
+  if directory.is_dir():
+    for entry in directory.iterdir():
+      if "orbax-checkpoint-tmp" in entry.name:
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _train_locked(config: RunConfig, workdir: Path) -> dict:
@@ -257,11 +332,18 @@ def _train_locked(config: RunConfig, workdir: Path) -> dict:
   _log_start(run)
   loop = _Loop(run, ckpt, start)
   try:
-    loop.run_epochs()
+    with loop.watch:
+      loop.run_epochs()
     loop.finish()
-  finally:
+  except BaseException:
     loop.metrics_log.close()
-    ckpt.close()
+    try:  # a failed background save raises again on close: the first error is the one
+      ckpt.close()
+    except Exception:
+      pass
+    raise
+  loop.metrics_log.close()
+  ckpt.close()
   return _summarize(run, loop)
 
 
@@ -298,6 +380,7 @@ class _Loop:
     self.stopped = False  # by stop_after
     self.plan_json = run.plan.to_json() if run.plan is not None else None
     self.nonfinite = 0  # steps in a row whose loss was not finite
+    self.watch = PreemptionWatch()
     self.metrics_log = MetricsLog(run.workdir / "metrics.jsonl", run.leader, start)
 
   def resolve(self, bar) -> None:
@@ -341,10 +424,31 @@ class _Loop:
       self.run.log(f"warning: no checkpoint at step {self.step}: the loss or the parameters "
                    "are not finite")
       return
+    self.check_space()
     spe = self.run.steps_per_epoch
     position = {"epoch": self.step // spe, "batch": self.step % spe, "steps_per_epoch": spe}
     self.ckpt.save(self.step, self.run.state, data_position=position, plan_json=self.plan_json,
                    force=force)
+
+  def check_space(self) -> None:
+    """Raises `RunError` before a save that the disk cannot hold (every process agrees)."""
+    import shutil
+
+    import jax
+    import numpy as np
+
+    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.run.state)) * 1.1 + 2**20
+    free = shutil.disk_usage(self.ckpt.directory).free
+    short = np.int32(free < needed)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      short = np.max(multihost_utils.process_allgather(short))
+    if short:
+      latest = self.ckpt.latest_step()
+      raise RunError(f"not enough space to save step {self.step} in {self.ckpt.directory}: "
+                     f"{needed / 1e6:.1f} MB needed, {free / 1e6:.1f} MB free; "
+                     + (f"the last complete checkpoint (step {latest}) is kept" if latest
+                        is not None else "no checkpoint was saved"))
 
   def run_epochs(self) -> None:
     run = self.run
@@ -383,6 +487,10 @@ class _Loop:
       self.step += 1
       self.resolve(bar)
       self.pending = (self.step, metrics, epoch)
+      if self.watch.should_stop(self.step):
+        self.stopped = True
+        self.save(bar, force=True)
+        break
       if ckpt_settings.check_every and self.step % ckpt_settings.check_every == 0:
         train_step.check_replicas_identical(run.fingerprint, run.state, self.step)
       end_of_epoch = batch_index + 1 == steps_this_epoch
@@ -474,12 +582,13 @@ def _summarize(run: Run, loop: _Loop) -> dict:
       "final_test_loss": loop.result["test_loss"] if loop.result else None,
       "final_test_accuracy": loop.result["test_accuracy"] if loop.result else None,
       "plan_groups": len(run.plan.groups) if run.plan else None,
-      "stopped_early": loop.stopped,
+      "stopped_early": loop.stopped, "stopped_by": loop.watch.received,
       "params_sha256": params_sha, "opt_state_sha256_process0": opt_sha,
   }
   if run.leader and loop.stopped:
-    print(f"stopped after {loop.step - loop.start} steps at step {loop.step} of "
-          f"{run.total_steps} (--stop-after); continue with --resume", flush=True)
+    why = loop.watch.received or "--stop-after"
+    print(f"stopped by {why} after {loop.step - loop.start} steps at step {loop.step} of "
+          f"{run.total_steps}, checkpoint saved; continue with --resume", flush=True)
   if run.leader:
     (run.workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("summary: " + ", ".join(

@@ -18,6 +18,14 @@ class PlanError(ValueError):
   """A plan or profile that does not fit the run."""
 
 
+def _load(load, flag: str, path: str):
+  """`load(path)`, or a `PlanError` naming the flag and the file when it is not one."""
+  try:
+    return load(path)
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise PlanError(f"--{flag} {path!r} is not a {flag} file: {e}") from None
+
+
 def backward_order_of(model, params, batch_stats, sample_shape) -> list[str]:
   """Leaf paths in the order their gradients become ready (traced from the model)."""
   import jax.numpy as jnp
@@ -40,7 +48,7 @@ def make_or_load_plan(config: RunConfig, mesh, paths: Sequence[str], workers: in
   """
   settings = config.plan
   if settings.plan:
-    plan = planner.Plan.load(settings.plan)
+    plan = _load(planner.Plan.load, "plan", settings.plan)
   elif settings.planner == "none":
     return None
   else:
@@ -60,7 +68,7 @@ def _profile(config: RunConfig, mesh, workers: int, log) -> Profile:
 
   settings, method = config.plan, config.method
   if settings.profile:
-    profile = Profile.load(settings.profile)
+    profile = _load(Profile.load, "profile", settings.profile)
     if profile.model != config.model.name:
       raise PlanError(f"--profile {settings.profile} is for model {profile.model!r}, "
                       f"not {config.model.name!r}")

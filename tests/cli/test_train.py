@@ -151,7 +151,7 @@ def test_one_run_per_workdir_and_a_dead_runs_lock_is_recovered(tmp_path):
   assert (tmp_path / ".lock").exists()
   resumed = run_cli([*args, "--resume", "--stop-after", "2"])
   assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert "resumed from step" in resumed.stdout and "stopped after 2 steps" in resumed.stdout
+  assert "resumed from step" in resumed.stdout and "after 2 steps at step" in resumed.stdout
 
 
 def smallcnn_plan(workers):
@@ -346,3 +346,87 @@ def test_runs_that_cannot_train_stop_in_one_line_without_saving_nan(tmp_path):
   assert "no checkpoint at step 3" in nan.stdout
   saved = [p.name for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit()]
   assert saved == [] and "no checkpoint was saved" in nan.stderr
+
+
+def _start_and_wait_for_step(args, workdir, step):
+  """A dlgs-train process, once its metrics reach `step`."""
+  proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args, "--workdir",
+                           str(workdir)], env=child_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics = Path(workdir) / "metrics.jsonl"
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and proc.poll() is None:
+    if metrics.exists() and f'"step": {step},' in metrics.read_text():
+      return proc
+    time.sleep(0.02)
+  proc.kill()
+  raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_for_bit(tmp_path, signum):
+  args = [*SMALL, "--local-devices", "2", "--steps", "30", "--density", "0.05",
+          "--reuse-every", "3", "--checkpoint-every", "100", "--check-every", "0"]
+  proc = _start_and_wait_for_step(args, tmp_path / "stopped", 5)
+  proc.send_signal(signum)
+  started = time.monotonic()
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  assert time.monotonic() - started < 30
+  name = signal.Signals(signum).name
+  stopped = re.search(rf"stopped by {name} after \d+ steps at step (\d+) of 30", out)
+  assert stopped, out[-2000:]
+  step = int(stopped.group(1))
+  assert 5 <= step < 30
+  saved = sorted(int(p.name) for p in (tmp_path / "stopped" / "checkpoints").iterdir()
+                 if p.name.isdigit())
+  assert saved == [step]  # the stop's own checkpoint: none was due before step 100
+  whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
+  resumed = run_cli([*args, "--workdir", str(tmp_path / "stopped"), "--resume"])
+  assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout
+  assert params_shas(resumed.stdout) == params_shas(whole.stdout)
+
+
+@pytest.mark.slow
+def test_a_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+  small, readonly = tmp_path / "small", tmp_path / "readonly"
+  small.mkdir()
+  readonly.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)],
+                           capture_output=True)
+  if mounted.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+  try:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)],
+                   check=True)
+    args = [*SMALL, "--local-devices", "2", "--steps", "6", "--checkpoint-every", "2"]
+    full = run_cli([*args, "--workdir", str(small / "run")])
+    assert full.returncode != 0 and full.stderr.count("\n") == 1, full.stderr[-3000:]
+    assert "not enough space to save step 2 in" in full.stderr
+    assert list((small / "run" / "checkpoints").iterdir()) == []
+    refused = run_cli([*args, "--workdir", str(readonly / "run")])
+    assert refused.returncode != 0 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
+    assert "Read-only file system" in refused.stderr
+  finally:
+    subprocess.run(["umount", str(small)], capture_output=True)
+    subprocess.run(["umount", str(readonly)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_another_worker_count_with_its_residuals_redistributed(tmp_path):
+  args = [*SMALL, "--density", "0.05", "--steps", "8", "--check-every", "2",
+          "--workdir", str(tmp_path)]
+  first = run_cli([*args, "--local-devices", "2", "--stop-after", "4"])
+  assert first.returncode == 0, first.stderr[-3000:]
+  more = run_cli([*args, "--local-devices", "4", "--resume"])
+  assert more.returncode == 0, more.stderr[-3000:]
+  assert ("the checkpoint was written by 2 workers, this run has 4: residuals redistributed "
+          "with their sum kept") in more.stdout
+  assert "resumed from step 4" in more.stdout and "4 workers (1 processes)" in more.stdout
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 8 and summary["workers"] == 4
+  # Anything else that differs is still refused, each setting named.
+  other = run_cli([*args, "--local-devices", "2", "--resume", "--momentum", "0.5"])
+  assert other.returncode != 0 and "optimizer.momentum: checkpoint 0.9" in other.stderr
+  assert "workers: checkpoint 4, this run 2" in other.stderr

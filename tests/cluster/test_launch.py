@@ -6,6 +6,8 @@ with gloo CPU collectives.
 
 import json
 import os
+import re
+import signal
 import stat
 import subprocess
 import sys
@@ -73,7 +75,7 @@ def test_two_processes_stop_and_resume_bit_identical(tmp_path, method):
   # run side by side, their two process 1s compiling on the two cores.
   first, = run_group([(launch("--workdir", str(tmp_path / "parts"), "--stop-after", "3"),
                        child_env())], timeout=600)
-  assert "stopped after 3 steps at step 3 of 6" in first
+  assert "stopped by --stop-after after 3 steps at step 3 of 6" in first
   whole, rest = run_group([
       (launch("--workdir", str(tmp_path / "whole")), child_env()),
       (launch("--workdir", str(tmp_path / "parts"), "--resume"), child_env())], timeout=600)
@@ -198,3 +200,82 @@ def test_sbatch_script_refuses_outside_slurm_and_runs_srun(tmp_path):
   tasks = int(text.split("--ntasks-per-node=")[1].split()[0])
   gpus = int(text.split("--gpus-per-node=")[1].split()[0])
   assert tasks == gpus  # JAX's SLURM convention: one task per GPU
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int:
+  """The process id of `rank` among the processes `launcher_pid` started."""
+  for entry in Path("/proc").iterdir():
+    if not entry.name.isdigit():
+      continue
+    try:
+      env = (entry / "environ").read_bytes().split(b"\0")
+    except OSError:
+      continue
+    if (f"DLGS_PARENT_PID={launcher_pid}".encode() in env
+        and f"DLGS_PROCESS_ID={rank}".encode() in env):
+      return int(entry.name)
+  raise AssertionError(f"no process {rank} of launcher {launcher_pid}")
+
+
+def _launch_until(args, workdir, step, *extra):
+  proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--",
+                           *args, "--workdir", str(workdir), *extra], env=child_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  metrics = Path(workdir) / "metrics.jsonl"
+  deadline = time.monotonic() + 400
+  while time.monotonic() < deadline and proc.poll() is None:
+    if metrics.exists() and f'"step": {step},' in metrics.read_text():
+      return proc
+    time.sleep(0.05)
+  proc.kill()
+  raise AssertionError(f"the launch ended or stalled before step {step}: "
+                       f"{proc.communicate()[0][-3000:]}")
+
+
+def _stopped_step(output: str, name: str) -> int:
+  found = re.search(rf"\[0\] stopped by {name} after \d+ steps at step (\d+) of 40", output)
+  assert found, output[-4000:]
+  return int(found.group(1))
+
+
+def test_a_signal_to_one_process_or_to_the_launcher_stops_every_process_at_one_step(tmp_path):
+  """SIGTERM to process 1: JAX's preemption service has both save the same step and
+  leave; SIGHUP to the launcher: it asks both to do the same. Resumed twice, the run
+  ends bit for bit where an uninterrupted one does."""
+  args = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05", "--density", "0.05",
+          "--steps", "40", "--checkpoint-every", "100", "--check-every", "5"]
+  parts = tmp_path / "parts"
+  first = _launch_until(args, parts, 4)
+  os.kill(_worker_pid(first.pid, 1), signal.SIGTERM)
+  out = first.communicate(timeout=120)[0]
+  assert first.returncode == 0, out[-4000:]
+  step = _stopped_step(out, "SIGTERM")
+  second = _launch_until(args, parts, step + 3, "--resume")
+  second.send_signal(signal.SIGHUP)
+  out = second.communicate(timeout=120)[0]
+  assert second.returncode == 0 and "dlgs-launch: SIGHUP: asking every process" in out, out[-4000:]
+  later = _stopped_step(out, "SIGTERM")
+  assert later > step
+  launch = [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--", *args]
+  whole, rest = run_group([
+      ([*launch, "--workdir", str(tmp_path / "whole")], child_env()),
+      ([*launch, "--workdir", str(parts), "--resume"], child_env())], timeout=600)
+  assert f"resumed from step {later}" in rest
+  assert shas(rest, 2) == shas(whole, 2)
+
+
+def test_processes_of_a_killed_launcher_save_and_leave(tmp_path):
+  """The launcher killed outright (no chance to pass anything on): its processes get
+  SIGTERM from the kernel (parent-death signal), save one checkpoint and exit."""
+  args = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05", "--density", "0.05",
+          "--steps", "400", "--checkpoint-every", "1000", "--check-every", "0"]
+  proc = _launch_until(args, tmp_path, 3)
+  workers = [_worker_pid(proc.pid, rank) for rank in (0, 1)]
+  proc.kill()
+  proc.wait()
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+    time.sleep(0.1)
+  assert not any(Path(f"/proc/{p}").exists() for p in workers), "orphaned processes"
+  saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+  assert len(saved) == 1 and 3 <= saved[0] < 400

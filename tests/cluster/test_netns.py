@@ -154,3 +154,17 @@ def test_workers_are_pinned_to_their_share_of_the_cores_unless_told_not_to():
     assert prefix[4:] == ["taskset", "-c", str(cores[rank % len(cores)])]
   free = netns.EmulatedCluster(3, "1gbit", tag="t2", pin=False)
   assert free.wrap(1) == ["ip", "netns", "exec", free.worker_ns[1]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "0", "--", "--steps", "1"], "--workers must be in [1, 250], got 0"),
+    (["--bandwidth", "foo", "--", "--steps", "1"], "--bandwidth 'foo': bandwidth must look like"),
+    (["--workers", "2"], "give the training flags after --"),
+])
+def test_the_cluster_command_checks_its_flags_before_building_anything(argv, message, capsys):
+  before = namespaces() if sys.platform == "linux" and REASON is None else set()
+  with pytest.raises(SystemExit):
+    netns.main(argv)
+  assert message in capsys.readouterr().err
+  if before or REASON is None:
+    assert namespaces() == before

@@ -1,0 +1,39 @@
+"""dlgs-plan's input checks: every bad flag or file is one line, before any measuring."""
+
+import json
+
+import pytest
+
+from dlgs_jax.cli import plan
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--density", "0"], "--density 0.0 is invalid: must be in (0, 1]"),
+    (["--density", "nan"], "--density nan is invalid"),
+    (["--latency", "-1"], "--latency -1.0 is invalid: must be a number of seconds >= 0"),
+    (["--bandwidth", "0gbit"], "--bandwidth '0gbit' is invalid: bandwidth must be positive"),
+    (["--bandwidth", "foo"], "--bandwidth 'foo' is invalid"),
+    (["--reuse-every", "-3"], "--reuse-every -3 is invalid"),
+    (["--workers", "0"], "--workers 0 is invalid"),
+    (["--refresh-below", "often"], "--refresh-below 'often' is invalid"),
+    (["--method", "sgd"], "unknown --method 'sgd'"),
+    (["--profile", "/nonexistent.json"], "--profile '/nonexistent.json' is invalid: no such file"),
+])
+def test_bad_flags_are_named_before_anything_runs(tmp_path, flags, message):
+  with pytest.raises(SystemExit) as stop:
+    plan.main(["--model", "smallcnn", "--out-dir", str(tmp_path), *flags])
+  assert message in str(stop.value.code)
+  assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("content", ["", "[1, 2]", '{"model": "smallcnn"}', "\x00\x01garbage",
+                                     '{"model": "smallcnn", "paths": 3, "sizes": [], '
+                                     '"t_forward": 0, "t_backward": [], "workers": 1}'])
+def test_a_file_that_is_not_a_profile_is_one_line(tmp_path, content):
+  path = tmp_path / "profile.json"
+  path.write_text(content)
+  with pytest.raises(SystemExit) as stop:
+    plan.main(["--model", "smallcnn", "--profile", str(path), "--out-dir", str(tmp_path / "o")])
+  text = str(stop.value.code)
+  assert text.startswith(f"--profile {str(path)!r} is not a profile") and "\n" not in text
+  json.dumps(text)
