@@ -64,10 +64,9 @@ def check(args) -> "float | None":
 
 def _check_numbers(args) -> None:
   """Raises `ConfigError` for the first flag out of its range."""
-  import math
 
   from dlgs_jax.compress.methods import ConfigError, MethodConfig
-  from dlgs_jax.planning.network import parse_bandwidth
+  from dlgs_jax.planning.network import check_link
 
   MethodConfig(args.method, density=args.density, reuse_every=args.reuse_every).validate()
   for option, value, low in (("workers", args.workers, 1), ("devices", args.devices, 1),
@@ -75,13 +74,7 @@ def _check_numbers(args) -> None:
                              ("image_size", args.image_size, 8)):
     if value is not None and value < low:
       raise ConfigError(option, value, f"must be >= {low}")
-  if not (math.isfinite(args.latency) and args.latency >= 0):
-    raise ConfigError("latency", args.latency, "must be a number of seconds >= 0")
-  if args.bandwidth is not None:
-    try:
-      parse_bandwidth(args.bandwidth)
-    except ValueError as e:
-      raise ConfigError("bandwidth", args.bandwidth, str(e)) from None
+  check_link(args.bandwidth, args.latency)
   if args.profile is not None and not Path(args.profile).is_file():
     raise ConfigError("profile", args.profile, "no such file")
 

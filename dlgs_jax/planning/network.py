@@ -1,7 +1,12 @@
 """A modelled network: link bandwidths and the alpha-beta cost of each collective."""
 
 from __future__ import annotations
+import math
+from typing import Optional
+
 import numpy as np
+
+from dlgs_jax.compress.methods import ConfigError
 from dlgs_jax.planning.timeline import LinearCost
 
 
@@ -45,3 +50,14 @@ def network_comm(workers: int, bandwidth_bits: float, latency: float = 25e-6) ->
       "allgather": LinearCost((workers - 1) * latency, beta),
       "gtopk": LinearCost((rounds + 2 * (workers - 1)) * latency, beta),
   }
+
+
+def check_link(bandwidth: Optional[str], latency: float) -> None:
+  """Raises `ConfigError` naming ``bandwidth`` or ``latency`` when it does not describe a link."""
+  if not (isinstance(latency, (int, float)) and math.isfinite(latency) and latency >= 0):
+    raise ConfigError("latency", latency, "must be a number of seconds >= 0")
+  if bandwidth is not None:
+    try:
+      parse_bandwidth(bandwidth)
+    except ValueError as e:
+      raise ConfigError("bandwidth", bandwidth, str(e)) from None

@@ -267,7 +267,7 @@ def _validate_counts(config: RunConfig) -> None:
 
 
 def _validate_schedule_and_plan(config: RunConfig) -> None:
-  from dlgs_jax.planning.network import parse_bandwidth
+  from dlgs_jax.planning.network import check_link
 
   plan, schedule = config.plan, config.schedule
   if schedule.lr_decay_epochs is not None and not all(
@@ -275,14 +275,7 @@ def _validate_schedule_and_plan(config: RunConfig) -> None:
       for e in schedule.lr_decay_epochs):
     raise ConfigError("lr_decay_epochs", ",".join(map(str, schedule.lr_decay_epochs)),
                       "give epochs >= 0")
-  if not (isinstance(plan.latency, (int, float)) and math.isfinite(plan.latency)
-          and plan.latency >= 0):
-    raise ConfigError("latency", plan.latency, "must be a number of seconds >= 0")
-  if plan.bandwidth is not None:
-    try:
-      parse_bandwidth(plan.bandwidth)
-    except ValueError as e:
-      raise ConfigError("bandwidth", plan.bandwidth, str(e)) from None
+  check_link(plan.bandwidth, plan.latency)
   for option, path in (("plan", plan.plan), ("profile", plan.profile)):
     if path is not None and not Path(path).is_file():
       raise ConfigError(option, path, "no such file")

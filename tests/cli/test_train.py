@@ -104,10 +104,10 @@ def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
   assert all(losses[r["step"]] == r["loss"] for r in records(workdir) if "loss" in r)
 
   # Checkpoints of another configuration are refused, never misread: every setting
-  # that changes what the state means or what the run computes is named.
+  # that changes what the state means or what the run computes is named. (Another
+  # worker count is resumed onto: see the test of that.)
   for extra, message in (
       (["--method", "lags"], "method.name: checkpoint 'dlgs', this run 'lags'"),
-      (["--local-devices", "4"], "workers: checkpoint 2, this run 4"),
       (["--batch-size", "16"], "data.batch_size: checkpoint 8, this run 16"),
       (["--min-ndim", "2"], "method.min_ndim: checkpoint 0, this run 2"),
       (["--refresh-below", "none"], "method.refresh_below: checkpoint 0.5, this run None"),
@@ -430,3 +430,23 @@ def test_a_run_resumes_on_another_worker_count_with_its_residuals_redistributed(
   other = run_cli([*args, "--local-devices", "2", "--resume", "--momentum", "0.5"])
   assert other.returncode != 0 and "optimizer.momentum: checkpoint 0.9" in other.stderr
   assert "workers: checkpoint 4, this run 2" in other.stderr
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp_path):
+  args = [*SMALL, "--local-devices", "2", "--steps", "10", "--density", "0.05",
+          "--checkpoint-every", "2", "--check-every", "0"]
+  whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
+  parts = run_cli([*args, "--workdir", str(tmp_path / "parts"), "--stop-after", "6"])
+  assert parts.returncode == 0, parts.stderr[-3000:]
+  files = [p for p in (tmp_path / "parts" / "checkpoints" / "6" / "state").rglob("*")
+           if p.is_file() and p.parent.name == "d"]
+  largest = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(largest.read_bytes())
+  data[len(data) // 2] ^= 0x01  # one flipped bit in the newest checkpoint
+  largest.write_bytes(bytes(data))
+  resumed = run_cli([*args, "--workdir", str(tmp_path / "parts"), "--resume"])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "warning: checkpoint step 6 in" in resumed.stdout and "trying step 4" in resumed.stdout
+  assert "resumed from step 4" in resumed.stdout
+  assert sha_of(resumed.stdout) == sha_of(whole.stdout)
