@@ -221,11 +221,18 @@ class Checkpointer:
     if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     for i, step in enumerate(steps):
+      restored, problem = None, None
       try:
-        return self.restore(target, step, allow=allow)
+        restored = self.restore(target, step, allow=allow)
       except CheckpointCorrupt as e:
-        following = f"; trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
-        self.warn(f"checkpoint step {step} in {self.directory} is damaged: {e}{following}")
+        problem = str(e)
+      # Every process takes the same checkpoint: one that any process could not read
+      # is passed over by all.
+      if _everywhere(problem is None):
+        return restored
+      problem = problem or "another process could not read it"
+      following = f"; trying step {steps[i + 1]}" if i + 1 < len(steps) else ""
+      self.warn(f"checkpoint step {step} in {self.directory} is damaged: {problem}{following}")
     raise CheckpointCorrupt(f"no checkpoint in {self.directory} passes its checks (steps "
                             f"{', '.join(map(str, steps))}); move the directory away to start "
                             "afresh")
@@ -242,6 +249,14 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     return int(step)
+
+
+def _everywhere(ok: bool) -> bool:
+  """Whether `ok` holds in every process of the job."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _first_line(error: Exception) -> str:

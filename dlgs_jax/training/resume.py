@@ -1,0 +1,77 @@
+"""Where a run starts: the newest checkpoint that verifies, also from another worker count."""
+
+from __future__ import annotations
+
+from dlgs_jax.training.run import Run, RunError
+
+
+def restore_or_start(run: Run, ckpt) -> int:
+  """The step the run starts from: the latest checkpoint's with ``resume``, else 0.
+
+  Raises:
+    RunError: for a workdir holding checkpoints without ``resume``, or a
+      checkpoint of another run.
+  """
+  from dlgs_jax.training import checkpoint
+
+  directory = run.workdir / "checkpoints"
+  if ckpt.latest_step() is None:
+    if run.config.checkpoint.resume:
+      run.log(f"--resume: no checkpoint in {directory}, starting from step 0")
+    return 0
+  if not run.config.checkpoint.resume:
+    raise RunError(f"{directory} already holds checkpoints (latest step {ckpt.latest_step()}); "
+                   "pass --resume to continue, or use another --workdir")
+  try:
+    try:
+      run.state, record = ckpt.restore_latest_good(run.state)
+    except checkpoint.CheckpointMismatch as e:
+      if not set(e.differences) <= RESHARDABLE or "workers" not in e.differences:
+        raise
+      record = _restore_on_other_workers(run, ckpt, e.differences)
+  except checkpoint.CheckpointMismatch as e:
+    raise RunError(f"refusing to resume: {e}") from None
+  except checkpoint.CheckpointCorrupt as e:
+    raise RunError(str(e)) from None
+  start = int(record["step"])
+  run.log(f"resumed from step {start} (epoch {start // run.steps_per_epoch}, batch "
+          f"{start % run.steps_per_epoch} of {run.steps_per_epoch})")
+  return start
+
+
+# What may differ when a run resumes on another number of workers: the count, and
+# the steps an epoch-long schedule has with the new global batch.
+RESHARDABLE = frozenset({"workers", "total_steps"})
+
+
+def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
+  """Restores a checkpoint of another worker count onto this run's, residual mass kept."""
+  import jax
+  import numpy as np
+
+  from dlgs_jax.training import reshard
+  from dlgs_jax.workload import parallel
+
+  def host(x, rows=None):
+    shape = x.shape if rows is None else (rows,) + tuple(x.shape[1:])
+    return np.zeros(shape, x.dtype)
+
+  saved_workers = int(differences["workers"][0])
+  state = run.state
+  target = state._replace(
+      params=jax.tree_util.tree_map(host, state.params),
+      batch_stats=jax.tree_util.tree_map(host, state.batch_stats),
+      opt_state=jax.tree_util.tree_map(lambda x: host(x, saved_workers), state.opt_state),
+      step=host(state.step))
+  restored, record = ckpt.restore_latest_good(target, allow=RESHARDABLE)
+  row = reshard.redistribute(restored.opt_state, run.workers)
+  run.state = state._replace(
+      params=parallel.replicate(restored.params, run.mesh),
+      batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
+      opt_state=parallel.stack_per_worker(row, run.mesh),
+      step=parallel.replicate(restored.step, run.mesh))
+  run.log(f"the checkpoint was written by {saved_workers} workers, this run has "
+          f"{run.workers}: residuals redistributed with their sum kept"
+          + (f"; the schedule now has {run.total_steps} steps (it had "
+             f"{differences['total_steps'][0]})" if "total_steps" in differences else ""))
+  return record

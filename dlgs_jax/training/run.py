@@ -1,0 +1,171 @@
+"""A run: what `train` builds from a `RunConfig` before its first step.
+
+`build_run` loads the data, makes the mesh, model, plan, optimizer and train step;
+`run_identity` is what a checkpoint of the run must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from dlgs_jax.compress.optimizer import build_optimizer
+from dlgs_jax.training.config import CIFAR_MODELS, INT32_MAX, RunConfig
+from dlgs_jax.training.plans import backward_order_of, make_or_load_plan
+
+
+class RunError(Exception):
+  """A run that cannot start or continue as configured (the message says why)."""
+
+
+def load_data(config: RunConfig, model_shape):
+  """(train set, test set, dataset name, crop padding) of the run's data section."""
+  from dlgs_jax.workload import data
+
+  settings, model_name = config.data, config.model.name
+  kind = settings.kind(model_name)
+  if kind == "cifar10":
+    if settings.data_dir:
+      train, test = data.load_cifar10(settings.data_dir)
+      return train, test, f"cifar10:{os.path.abspath(settings.data_dir)}", 4
+    train, test = data.load_embedded_cifar10()
+    return train, test, "cifar10:embedded", 4
+  size = settings.image_size or model_shape[0]
+  if kind == "imagefolder":
+    if not settings.data_dir:
+      raise RunError(f"{model_name} needs --data-dir (an image folder with train/ and val/), "
+                     "or --dataset synthetic")
+    train, test = data.load_image_folder(settings.data_dir, size)
+    return train, test, f"imagefolder:{os.path.abspath(settings.data_dir)}", max(1, size // 8)
+  shape = (size, size, model_shape[2])
+  classes = 10 if model_name in CIFAR_MODELS else 1000
+  train = data.synthetic(settings.synthetic_examples, shape, classes, seed=config.seed)
+  test = data.synthetic(max(settings.eval_batch_size, 256), shape, classes, seed=config.seed + 1)
+  return train, test, f"synthetic:{settings.synthetic_examples}x{shape}", max(1, size // 8)
+
+
+def dgc_warmup_steps(config: RunConfig, steps_per_epoch: int, total_steps: int) -> int:
+  """DGC's density warm-up in steps, capped at a quarter of the run (0 for other methods)."""
+  if not config.method.spec.holds_momentum:
+    return 0
+  return min(int(round(config.method.dgc_warmup_epochs * steps_per_epoch)), total_steps // 4)
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything `train` builds before the first step."""
+  config: RunConfig
+  workdir: Path
+  train_set: Any
+  test_set: Any
+  dataset_name: str
+  mesh: Any
+  workers: int
+  local_workers: list
+  steps_per_epoch: int
+  total_steps: int
+  epochs: int
+  schedule: Callable
+  plan: Any
+  order: list
+  warmup: int
+  state: Any
+  step_fn: Callable
+  evaluate: Callable
+  fingerprint: Callable
+  leader: bool
+  dense_bytes: int = 0
+
+  def log(self, message: str) -> None:
+    if self.leader:
+      print(message, flush=True)
+
+
+def _mesh_and_data(config: RunConfig):
+  from dlgs_jax.workload import models, parallel
+
+  try:
+    _, model_shape = models.create_model(config.model.name)
+  except ValueError as e:
+    raise RunError(f"--model: {e}") from None
+  try:
+    train_set, test_set, dataset_name, pad = load_data(config, model_shape)
+  except ValueError as e:
+    raise RunError(f"data: {e}") from None
+  try:
+    mesh = parallel.data_mesh(config.processes.workers)
+  except ValueError as e:
+    raise RunError(f"--workers: {e}") from None
+  return train_set, test_set, dataset_name, pad, mesh
+
+
+def build_run(config: RunConfig) -> Run:
+  """The run `config` describes, at step 0 (nothing restored yet)."""
+  import jax
+  import numpy as np
+  import optax
+
+  from dlgs_jax import training
+  from dlgs_jax.compress import grouping
+  from dlgs_jax.workload import data, losses, models
+
+  train_set, test_set, dataset_name, pad, mesh = _mesh_and_data(config)
+  axis, workers = mesh.axis_names[0], int(mesh.devices.size)
+  model, _ = models.create_model(config.model.name, num_classes=train_set.num_classes,
+                                 bn_axis_name=axis if config.model.sync_bn else None)
+  try:
+    spe = data.steps_per_epoch(len(train_set.labels), workers, config.data.batch_size)
+  except ValueError as e:
+    raise RunError(f"--batch-size {config.data.batch_size}: {e}") from None
+  total_steps = config.schedule.total_steps(spe)
+  if total_steps > INT32_MAX:
+    raise RunError(f"{total_steps} steps in all ({config.schedule.epochs} epochs x {spe}) do "
+                   f"not fit the int32 step counter: give fewer --epochs or --steps")
+  schedule = optax.piecewise_constant_schedule(config.optimizer.lr, {
+      b: 0.1 for b in config.schedule.decay_boundaries(spe, total_steps) if 0 < b < total_steps})
+  sample = np.zeros((1,) + train_set.image_shape, np.uint8)
+  variables = losses.init_variables(model, sample, config.seed)
+  # Traced outside shard_map, so without the SyncBN axis (same parameters).
+  order = backward_order_of(model.clone(bn_axis_name=None), variables["params"],
+                            variables.get("batch_stats", {}), sample.shape)
+  leader = jax.process_index() == 0
+  log = (lambda m: print(m, flush=True)) if leader else (lambda m: None)
+  plan = make_or_load_plan(config, mesh, grouping.leaf_paths(variables["params"]), workers, log)
+  warmup = dgc_warmup_steps(config, spe, total_steps)
+  tx = build_optimizer(config.method, config.optimizer, axis_name=axis, schedule=schedule,
+                       groups=plan.groups if plan is not None else None, order=order,
+                       seed=config.seed, warmup_steps=warmup)
+  return Run(
+      config=config, workdir=Path(config.checkpoint.workdir), train_set=train_set,
+      test_set=test_set, dataset_name=dataset_name, mesh=mesh, workers=workers,
+      local_workers=[i for i, d in enumerate(mesh.devices.flat)
+                     if d.process_index == jax.process_index()],
+      steps_per_epoch=spe, total_steps=total_steps, epochs=math.ceil(total_steps / spe),
+      schedule=schedule, plan=plan, order=order, warmup=warmup,
+      state=training.train_state_from_variables(variables, tx, mesh),
+      step_fn=training.make_train_step(model, tx, mesh, augment=config.data.augment, pad=pad,
+                                       mean=train_set.mean, std=train_set.std, seed=config.seed),
+      evaluate=training.make_eval_fn(model, train_set.mean, train_set.std),
+      fingerprint=training.make_fingerprint_fn(mesh), leader=leader)
+
+
+def run_identity(run: Run) -> dict:
+  """What a checkpoint of this run must match: the config's identity and what it resolved to."""
+  config, method, plan = run.config, run.config.method, run.plan
+  identity = config.identity()
+  identity.update({
+      "workers": run.workers,
+      "send_whole": method.whole_paths(run.order) if method.spec.layer_wise else None,
+      "dgc_warmup_steps": run.warmup if method.spec.holds_momentum else None,
+      "plan_id": (hashlib.sha256(json.dumps(plan.groups).encode()).hexdigest()[:16]
+                  if plan is not None else f"default:{config.plan.planner}"),
+      "dataset": run.dataset_name, "num_examples": int(len(run.train_set.labels)),
+      "image_shape": list(run.train_set.image_shape), "num_classes": run.train_set.num_classes,
+      "total_steps": run.total_steps,
+  })
+  return identity
