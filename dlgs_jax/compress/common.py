@@ -146,3 +146,34 @@ def check_matches(grads, reference, against: str) -> None:
     if tuple(jnp.shape(leaf)) != tuple(jnp.shape(ref)):
       raise ValueError(f"the gradient leaf {path!r} has shape {tuple(jnp.shape(leaf))}, in "
                        f"{against} it has shape {tuple(jnp.shape(ref))}")
+
+
+def check_residual_dtype(dtype):
+  """The residuals' dtype for floating leaves: a floating dtype (default float32)."""
+  if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    raise ValueError(f"residual_dtype must be a floating dtype, got {dtype!r}")
+  return jnp.dtype(dtype)
+
+
+def residual_dtype_for(leaf, residual_dtype):
+  """`residual_dtype` for a floating leaf (bf16 params keep float32 residuals), else its own."""
+  dtype = jnp.result_type(leaf)
+  return residual_dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def round_into_residuals(means, residuals, grads):
+  """(updates in the gradients' dtypes, residuals): what rounding a mean loses stays owed.
+
+  The mean is computed in the residuals' dtype; a worker returns it in its
+  gradient's dtype (e.g. bfloat16), and the rounding error goes back into every
+  worker's residual, so ``P * update + sum_w e_w`` still accounts for every bit
+  of gradient mass. Leaves already in the residual dtype are returned untouched.
+  """
+  sent, kept = [], []
+  for mean, residual, grad in zip(means, residuals, grads):
+    update = mean.astype(grad.dtype)
+    if update.dtype != mean.dtype and residual.dtype == mean.dtype:
+      residual = residual + (mean - update.astype(mean.dtype))
+    sent.append(update)
+    kept.append(residual)
+  return sent, kept

@@ -47,9 +47,11 @@ def _sparse_transform(
     single_group: bool,
     reuse_every: Optional[int],
     skip_nonfinite: bool,
+    residual_dtype=jnp.float32,
 ) -> optax.GradientTransformation:
   """Residual + selection + sparse collective; `reuse_every` enables DLGS thresholds."""
   with_thresholds = select.kind == "threshold"
+  residual_dtype = common.check_residual_dtype(residual_dtype)
 
   def layout_of(tree):
     layout = engine.make_layout(tree, groups, order, single_group=single_group)
@@ -58,7 +60,8 @@ def _sparse_transform(
 
   def init_fn(params):
     layout = layout_of(params)
-    residuals = jax.tree_util.tree_map(jnp.zeros_like, params)
+    residuals = jax.tree_util.tree_map(
+        lambda p: jnp.zeros(jnp.shape(p), common.residual_dtype_for(p, residual_dtype)), params)
     count = jnp.zeros((), jnp.int32)
     stats = empty_stats(len(layout.groups))
     if with_thresholds:
@@ -97,7 +100,8 @@ def _sparse_transform(
     means, residuals, thresholds, stats, count = common.unless_nonfinite(
         skip_nonfinite, grads, axis_name, communicate, skip)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(layout.treedef, leaves)
-    new_updates = unflatten([m.astype(g.dtype) for m, g in zip(means, grads)])
+    sent, residuals = common.round_into_residuals(means, residuals, grads)
+    new_updates = unflatten(sent)
     if with_thresholds:
       return new_updates, DLGSState(count, unflatten(residuals), unflatten(thresholds), stats)
     return new_updates, SparseState(count, unflatten(residuals), stats)
@@ -118,6 +122,7 @@ def dlgs(
     min_ndim: int = 0,
     send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
+    residual_dtype=jnp.float32,
 ) -> optax.GradientTransformation:
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
 
@@ -168,6 +173,10 @@ def dlgs(
       (`grouping.output_layer`), which a per-layer budget starves; () (the
       paper): none. Checked against the tree at init.
     skip_nonfinite: skip steps with non-finite gradients (module docstring).
+    residual_dtype: dtype of the error-feedback residuals of floating leaves
+      (float32 whatever the parameters' dtype: bfloat16 residuals would round
+      away the small values they exist to keep). The mean is computed in it, and
+      what rounding it to the gradient's dtype loses stays in the residuals.
 
   Returns:
     An `optax.GradientTransformation` with state `DLGSState`.
@@ -194,7 +203,7 @@ def dlgs(
                        common.check_min_ndim(min_ndim), common.check_send_whole(send_whole)),
       common.check_collective(collective), axis_name=axis_name, groups=groups,
       order=order, single_group=False, reuse_every=int(reuse_every),
-      skip_nonfinite=skip_nonfinite)
+      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
 
 
 def lags(
@@ -207,6 +216,7 @@ def lags(
     min_ndim: int = 0,
     send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
+    residual_dtype=jnp.float32,
 ) -> optax.GradientTransformation:
   """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
 
@@ -220,11 +230,11 @@ def lags(
                        whole_paths=common.check_send_whole(send_whole)),
       common.check_collective(collective),
       axis_name=axis_name, groups=groups, order=order, single_group=False,
-      reuse_every=None, skip_nonfinite=skip_nonfinite)
+      reuse_every=None, skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
 
 
 def topk(
-    density: float, *, axis_name=None, skip_nonfinite: bool = True
+    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype=jnp.float32
 ) -> optax.GradientTransformation:
   """Top-k S-SGD: one global top-k over all leaves, all-gathered (O(kP) traffic).
 
@@ -235,11 +245,11 @@ def topk(
   return _sparse_transform(
       engine.Selection("group_topk", density), "allgather", axis_name=axis_name,
       groups=None, order=None, single_group=True, reuse_every=None,
-      skip_nonfinite=skip_nonfinite)
+      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
 
 
 def gtopk(
-    density: float, *, axis_name=None, skip_nonfinite: bool = True
+    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype=jnp.float32
 ) -> optax.GradientTransformation:
   """gTop-k S-SGD (Shi et al., ICDCS 2019): global top-k of the *sum* over workers.
 
@@ -252,7 +262,7 @@ def gtopk(
   return _sparse_transform(
       engine.Selection("group_topk", density), "gtopk", axis_name=axis_name,
       groups=None, order=None, single_group=True, reuse_every=None,
-      skip_nonfinite=skip_nonfinite)
+      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
 
 
 def dense(

@@ -591,3 +591,31 @@ def test_a_groups_collective_waits_for_its_own_gradients_only(name):
   # The flag needs every gradient, and nothing waits for it but the final choice.
   flags = [deps for _, aval, deps in found if aval.size == 1]
   assert flags == [frozenset(paths)]
+
+
+@pytest.mark.parametrize("name", ["dlgs", "dlgs_grouped", "lags", "topk", "gtopk"])
+def test_nothing_lost_with_bfloat16_parameters(name):
+  """bf16 parameters and gradients: residuals stay float32, and P * update + sum_w e
+  accounts for every gradient value in float32 (what rounding the update to bf16
+  loses stays owed)."""
+  import ml_dtypes
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+  tx = methods(0.1)[name]
+  rng = np.random.default_rng(12)
+  steps = [jax.tree_util.tree_map(lambda g: g.astype(ml_dtypes.bfloat16),
+                                  random_grads(PARAMS, W, rng)) for _ in range(4)]
+  updates, _, states = run_steps(tx, params, steps, W)
+  old = np.zeros_like(flat_workers(steps[0]).astype(np.float32))
+  for grads, update, state in zip(steps, updates, states):
+    assert all(x.dtype == np.float32 for x in jax.tree_util.tree_leaves(state.residuals))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(update))
+    u = flat_workers(update).astype(np.float32)
+    new = flat_workers(state.residuals)
+    owed = (flat_workers(grads).astype(np.float32) + old).sum(0)
+    np.testing.assert_allclose(W * u[0] + new.sum(0), owed, rtol=1e-6, atol=1e-6)
+    old = new
+
+
+def test_residual_dtype_must_be_floating():
+  with pytest.raises(ValueError, match="residual_dtype must be a floating dtype"):
+    dlgs_jax.dlgs(0.1, residual_dtype=jnp.int32)
