@@ -177,3 +177,19 @@ def round_into_residuals(means, residuals, grads):
     sent.append(update)
     kept.append(residual)
   return sent, kept
+
+
+def check_axis_name(axis_name):
+  """The data axis as JAX takes it: None, a name, or a tuple of names (a list becomes a tuple).
+
+  Raises:
+    ValueError: naming anything else.
+  """
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  if axis_name is None or isinstance(axis_name, str):
+    return axis_name
+  if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
+    return axis_name
+  raise ValueError(f"axis_name must be None, a mesh axis name or a list or tuple of them, "
+                   f"got {axis_name!r}")

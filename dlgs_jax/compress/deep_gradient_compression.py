@@ -159,6 +159,7 @@ def dgc(
   Raises:
     ValueError: for an argument out of range.
   """
+  axis_name = common.check_axis_name(axis_name)
   lower, upper = _check_args(momentum, sample_ratio, warmup_steps, warmup_stages, max_lowering,
                              min_ndim, band, clip_norm)
   densities, reached, branch_of_stage = _warmup_plan(

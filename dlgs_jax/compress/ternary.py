@@ -74,6 +74,7 @@ def terngrad(
     An `optax.GradientTransformation` with state `TernGradState`; its update is
     the mean over workers of the decoded ternary gradients.
   """
+  axis_name = common.check_axis_name(axis_name)
   if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real)
                            or not float(clip) > 0):
     raise ValueError(f"clip must be a positive number or None, got {clip!r}")

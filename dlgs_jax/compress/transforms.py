@@ -52,6 +52,7 @@ def _sparse_transform(
   """Residual + selection + sparse collective; `reuse_every` enables DLGS thresholds."""
   with_thresholds = select.kind == "threshold"
   residual_dtype = common.check_residual_dtype(residual_dtype)
+  axis_name = common.check_axis_name(axis_name)
 
   def layout_of(tree):
     layout = engine.make_layout(tree, groups, order, single_group=single_group)
@@ -277,6 +278,7 @@ def dense(
   ``groups=None`` fuses each leaf alone (wait-free backprop); pass
   ``[all paths]`` for one fused buffer. State `DenseState`.
   """
+  axis_name = common.check_axis_name(axis_name)
   groups, order = common.check_groups(groups, order)
 
   def layout_of(tree):

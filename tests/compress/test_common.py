@@ -10,16 +10,19 @@ PARAMS = {"a": np.zeros((8, 16), np.float32), "b": np.zeros((16,), np.float32)}
 W = 4
 
 
+BUILDERS = {
+    "dense": lambda axis: dlgs_jax.dense(axis_name=axis),
+    "topk": lambda axis: dlgs_jax.topk(0.25, axis_name=axis),
+    "gtopk": lambda axis: dlgs_jax.gtopk(0.25, axis_name=axis),
+    "lags": lambda axis: dlgs_jax.lags(0.25, axis_name=axis),
+    "dlgs": lambda axis: dlgs_jax.dlgs(0.25, axis_name=axis),
+    "dgc": lambda axis: dlgs_jax.dgc(0.25, axis_name=axis, min_ndim=1),
+    "terngrad": lambda axis: dlgs_jax.terngrad(axis_name=axis),
+}
+
+
 def factories(axis_name=None):
-  return {
-      "dense": dlgs_jax.dense(axis_name=axis_name),
-      "topk": dlgs_jax.topk(0.25, axis_name=axis_name),
-      "gtopk": dlgs_jax.gtopk(0.25, axis_name=axis_name),
-      "lags": dlgs_jax.lags(0.25, axis_name=axis_name),
-      "dlgs": dlgs_jax.dlgs(0.25, axis_name=axis_name),
-      "dgc": dlgs_jax.dgc(0.25, axis_name=axis_name, min_ndim=1),
-      "terngrad": dlgs_jax.terngrad(axis_name=axis_name),
-  }
+  return {name: build(axis_name) for name, build in BUILDERS.items()}
 
 
 @pytest.mark.parametrize("name", sorted(factories()))
@@ -55,3 +58,15 @@ def test_finite_gradients_whose_mean_overflows_skip_the_step(name):
   if residuals is not None:  # kept as they were after the good step
     np.testing.assert_array_equal(flat_workers(residuals), flat_workers(states[0].residuals))
 
+
+
+@pytest.mark.parametrize("name", sorted(factories()))
+def test_axis_names_may_be_a_name_a_tuple_or_a_list(name):
+  rng = np.random.default_rng(3)
+  grads = {k: rng.standard_normal((W,) + v.shape).astype(np.float32) for k, v in PARAMS.items()}
+  reference = flat_workers(run_steps(BUILDERS[name]("data"), PARAMS, [grads], W)[0][0])
+  for axis in (("data",), ["data"]):
+    updates = run_steps(BUILDERS[name](axis), PARAMS, [grads], W)[0][0]
+    np.testing.assert_array_equal(flat_workers(updates), reference)
+  with pytest.raises(ValueError, match="axis_name must be None, a mesh axis name or a list"):
+    BUILDERS[name](7)
