@@ -13,6 +13,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from dlgs_jax.compress import engine, grouping
@@ -193,3 +194,34 @@ def check_axis_name(axis_name):
     return axis_name
   raise ValueError(f"axis_name must be None, a mesh axis name or a list or tuple of them, "
                    f"got {axis_name!r}")
+
+
+def is_passive(leaf) -> bool:
+  """Leaves no transform communicates: integer and boolean leaves, and empty ones."""
+  return not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) or jnp.size(leaf) == 0
+
+
+def with_passive_leaves(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` on the floating, non-empty leaves; every other leaf gets a zero update, no traffic.
+
+  Passive leaves become empty subtrees (None) before `tx` sees the tree, so its
+  state and messages hold only the leaves it communicates; a tree without passive
+  leaves is handed over as it is.
+  """
+  def strip(tree):
+    return jax.tree_util.tree_map(lambda x: None if is_passive(x) else x, tree)
+
+  def init_fn(params):
+    return tx.init(strip(params))
+
+  def update_fn(updates, state, params=None):
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    passive = [is_passive(x) for x in leaves]
+    if not any(passive):
+      return tx.update(updates, state, params)
+    inner, state = tx.update(strip(updates), state, None if params is None else strip(params))
+    active = iter(jax.tree_util.tree_leaves(inner))
+    merged = [jnp.zeros_like(x) if p else next(active) for x, p in zip(leaves, passive)]
+    return jax.tree_util.tree_unflatten(treedef, merged), state
+
+  return optax.GradientTransformation(init_fn, update_fn)

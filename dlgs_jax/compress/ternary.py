@@ -138,7 +138,7 @@ def terngrad(
                          zip(means, jax.tree_util.tree_leaves(updates))])
     return new_updates, TernGradState(count, state.key, stats)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn))
 
 
 def _clip(g: jax.Array, clip: Optional[float]) -> jax.Array:

@@ -107,7 +107,7 @@ def _sparse_transform(
       return new_updates, DLGSState(count, unflatten(residuals), unflatten(thresholds), stats)
     return new_updates, SparseState(count, unflatten(residuals), stats)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn))
 
 
 def dlgs(
@@ -312,4 +312,4 @@ def dense(
         layout.treedef, [m.astype(g.dtype) for m, g in zip(means, grads)])
     return new_updates, DenseState(count, stats)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn))

@@ -70,3 +70,21 @@ def test_axis_names_may_be_a_name_a_tuple_or_a_list(name):
     np.testing.assert_array_equal(flat_workers(updates), reference)
   with pytest.raises(ValueError, match="axis_name must be None, a mesh axis name or a list"):
     BUILDERS[name](7)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_integer_boolean_and_empty_leaves_pass_through_without_traffic(name):
+  mixed = {**PARAMS, "empty": np.zeros((0, 3), np.float32), "steps": np.zeros((5,), np.int32),
+           "mask": np.zeros((2,), bool)}
+  rng = np.random.default_rng(4)
+  grads = {k: rng.standard_normal((W,) + v.shape).astype(np.float32) for k, v in PARAMS.items()}
+  passive = {"empty": np.ones((W, 0, 3), np.float32), "steps": np.ones((W, 5), np.int32),
+             "mask": np.ones((W, 2), bool)}
+  (plain,), plain_state, _ = run_steps(BUILDERS[name]("data"), PARAMS, [grads], W)
+  (update,), state, _ = run_steps(BUILDERS[name]("data"), mixed, [{**grads, **passive}], W)
+  for key in PARAMS:
+    np.testing.assert_array_equal(update[key], plain[key])
+  for key, value in passive.items():
+    assert update[key].dtype == value.dtype and update[key].shape == value.shape
+    assert not np.any(update[key])  # a zero update
+  np.testing.assert_array_equal(state.stats.bytes_sent, plain_state.stats.bytes_sent)
