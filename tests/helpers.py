@@ -133,3 +133,17 @@ def write_cifar_dir(root, per_batch=12, seed=0, labels_fn=None):
                    b"filenames": [b"x.png"] * per_batch}, f)
     written[name] = (raw, labels)
   return folder, written
+
+
+def wait_for_step(proc: subprocess.Popen, workdir, step: int, timeout: float = 300):
+  """`proc` once `workdir`'s metrics reach `step`; kills it and fails if it ends or stalls first."""
+  import time
+
+  metrics = Path(workdir) / "metrics.jsonl"
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline and proc.poll() is None:
+    if metrics.exists() and f'"step": {step},' in metrics.read_text():
+      return proc
+    time.sleep(0.02)
+  proc.kill()
+  raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")

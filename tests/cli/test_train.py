@@ -20,7 +20,7 @@ from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.training.config import SECTIONS, load_config
 from dlgs_jax.training.plans import backward_order_of
 from dlgs_jax.planning.timeline import LinearCost, Profile
-from tests.helpers import child_env, params_shas
+from tests.helpers import child_env, params_shas, wait_for_step
 
 SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
 
@@ -353,14 +353,7 @@ def _start_and_wait_for_step(args, workdir, step):
   proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args, "--workdir",
                            str(workdir)], env=child_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
-  metrics = Path(workdir) / "metrics.jsonl"
-  deadline = time.monotonic() + 300
-  while time.monotonic() < deadline and proc.poll() is None:
-    if metrics.exists() and f'"step": {step},' in metrics.read_text():
-      return proc
-    time.sleep(0.02)
-  proc.kill()
-  raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
+  return wait_for_step(proc, workdir, step)
 
 
 @pytest.mark.slow

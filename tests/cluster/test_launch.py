@@ -20,7 +20,7 @@ import pytest
 from dlgs_jax.cli import launch as launch_cli
 from dlgs_jax.cluster import launch
 from dlgs_jax.cluster.launch import free_port
-from tests.helpers import child_env, params_shas, run_group
+from tests.helpers import child_env, params_shas, run_group, wait_for_step
 
 pytestmark = pytest.mark.multiprocess
 
@@ -221,15 +221,7 @@ def _launch_until(args, workdir, step, *extra):
   proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--",
                            *args, "--workdir", str(workdir), *extra], env=child_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  metrics = Path(workdir) / "metrics.jsonl"
-  deadline = time.monotonic() + 400
-  while time.monotonic() < deadline and proc.poll() is None:
-    if metrics.exists() and f'"step": {step},' in metrics.read_text():
-      return proc
-    time.sleep(0.05)
-  proc.kill()
-  raise AssertionError(f"the launch ended or stalled before step {step}: "
-                       f"{proc.communicate()[0][-3000:]}")
+  return wait_for_step(proc, workdir, step, timeout=400)
 
 
 def _stopped_step(output: str, name: str) -> int:
