@@ -19,7 +19,7 @@ packed into collectives, not which values are sent, so runs use the default
 grouping; the timing benchmark (`bench_cluster.py`) uses planned groups.
 With several seeds the table gives each configuration's mean and sample
 standard deviation, and its gap to dense taken seed by seed. --merge joins the
-results.json of runs made separately (e.g. one seed per session) into one table
+results.json of runs made separately (e.g. one seed per job) into one table
 and one figure, without training; it refuses files whose settings differ.
 """
 
@@ -35,12 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from dlgs_jax.cli.train import method_flags
-from dlgs_jax.compress.methods import METHODS, base_method, configurations
-
-
-def density_free(name: str) -> bool:
-  """Whether density changes nothing in method or variant `name` (it runs once)."""
-  return not METHODS[base_method(name)].uses_density
+from dlgs_jax.compress.methods import configurations, density_free
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

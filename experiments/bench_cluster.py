@@ -32,16 +32,12 @@ import time
 from pathlib import Path
 
 from dlgs_jax.cli.train import method_flags
-from dlgs_jax.compress.methods import METHODS, VARIANTS, base_method, configurations
+from dlgs_jax.compress.methods import (METHODS, VARIANTS, base_method, configurations,
+                                      density_free)
 
 HERE = Path(__file__).resolve().parent
 # Every method and variant: the timeline model predicts them all.
 PREDICTABLE = tuple(METHODS) + tuple(VARIANTS)
-
-
-def density_free(name: str) -> bool:
-  """Whether density changes nothing in method or variant `name` (it runs once)."""
-  return not METHODS[base_method(name)].uses_density
 
 
 # Small all-reduces every train step pays besides the gradient messages.

@@ -50,13 +50,9 @@ def parse_args(argv=None):
 
 def compressor(method: str, density: float, order):
   """The transform `method` (or a dlgs-train variant) stands for, on one worker."""
-  from dlgs_jax.compress.methods import base_method, method_config
+  from dlgs_jax.compress.methods import base_method, known, method_config
 
-  try:
-    base = base_method(method)
-  except ValueError:
-    base = None
-  if base not in SUPPORTED:
+  if not known(method) or base_method(method) not in SUPPORTED:
     raise SystemExit(f"--methods: {method!r} is not {', '.join(SUPPORTED)} or a variant of them")
   return method_config(method, density=density).compressor(order=order)
 

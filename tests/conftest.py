@@ -1,12 +1,12 @@
 """Every test runs with 8 simulated CPU devices (set before JAX starts).
 
-The suite also shares one persistent XLA compilation cache, fresh for each session,
+The suite also shares one persistent XLA compilation cache, fresh for each test run,
 with every process it starts (pytest-xdist's workers too: they inherit the
 directory the controlling process made before starting them): many tests launch
 `dlgs-train` several times on the same program (a run, the same run killed and
 resumed, a refused resume), and on a 2-core machine compiling that program again in
 each process was most of their time (e.g. the kill-and-resume test: 346 s without
-the cache, 153 s with it). Each program is still compiled once per session, so
+the cache, 153 s with it). Each program is still compiled once per test run, so
 compile errors are still caught. In a multi-process run only process 0 finds its
 programs there: JAX writes no entry from another process, and process 1's programs
 have their own keys (their CPU topology fingerprint and compile options differ from

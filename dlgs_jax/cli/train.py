@@ -151,10 +151,13 @@ FLAGS = (
 FLAG_OF = {(f.section, f.option): f.flag for f in FLAGS}
 
 
+_DEFAULTS = RunConfig()
+
+
 def _default(flag: Flag):
-  config = RunConfig()
-  return config.seed if flag.section == "seed" else getattr(getattr(config, flag.section),
-                                                              flag.option)
+  if flag.section == "seed":
+    return _DEFAULTS.seed
+  return getattr(getattr(_DEFAULTS, flag.section), flag.option)
 
 
 def build_parser(prog: str = "dlgs-train", description: str = "") -> argparse.ArgumentParser:

@@ -312,6 +312,16 @@ def base_method(name: str) -> str:
                    f"({', '.join(VARIANTS)})")
 
 
+def known(name: str) -> bool:
+  """Whether `name` is a method or a variant."""
+  return name in METHODS or name in VARIANTS
+
+
+def density_free(name: str) -> bool:
+  """Whether density changes nothing in method or variant `name` (experiments run it once)."""
+  return not METHODS[base_method(name)].uses_density
+
+
 def method_config(name: str, **options) -> MethodConfig:
   """The `MethodConfig` of a method or variant; a variant's own options win over `options`."""
   base = base_method(name)
@@ -332,7 +342,7 @@ def names(*, planner_prices: Optional[bool] = None, modelled: Optional[bool] = N
 def configurations(methods: Sequence[str], densities: Sequence[float]) -> list[tuple[str, float]]:
   """(method, density) pairs an experiment runs: density-free methods once (first density)."""
   return [(method, density) for density in densities for method in methods
-          if METHODS[base_method(method)].uses_density or density == densities[0]]
+          if not density_free(method) or density == densities[0]]
 
 
 def _check_number(option: str, value, low: float, high: float, low_open: bool = False) -> None:

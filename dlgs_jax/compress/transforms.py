@@ -234,6 +234,14 @@ def lags(
       reuse_every=None, skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
 
 
+def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, residual_dtype):
+  """One top-k over all leaves sent by `collective` (Top-k and gTop-k)."""
+  return _sparse_transform(
+      engine.Selection("group_topk", common.check_density(density)), collective,
+      axis_name=axis_name, groups=None, order=None, single_group=True, reuse_every=None,
+      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
+
+
 def topk(
     density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype=jnp.float32
 ) -> optax.GradientTransformation:
@@ -242,11 +250,7 @@ def topk(
   ``k = max(1, ceil(density * total_size))``; unsent values stay in the
   residuals. State `SparseState`.
   """
-  density = common.check_density(density)
-  return _sparse_transform(
-      engine.Selection("group_topk", density), "allgather", axis_name=axis_name,
-      groups=None, order=None, single_group=True, reuse_every=None,
-      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
+  return _global_topk(density, "allgather", axis_name, skip_nonfinite, residual_dtype)
 
 
 def gtopk(
@@ -259,11 +263,7 @@ def gtopk(
   exact values there (k values), so a worker moves O(k log P) values, and no
   gradient mass is lost. State `SparseState`.
   """
-  density = common.check_density(density)
-  return _sparse_transform(
-      engine.Selection("group_topk", density), "gtopk", axis_name=axis_name,
-      groups=None, order=None, single_group=True, reuse_every=None,
-      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
+  return _global_topk(density, "gtopk", axis_name, skip_nonfinite, residual_dtype)
 
 
 def dense(

@@ -1,4 +1,4 @@
-"""Predicted iteration time past one machine (issue 3, section 5).
+"""Predicted iteration time past one machine.
 
 Takes a *measured* compute profile (forward, per-layer backward, selection
 costs) and replaces its communication costs with an α-β network model

@@ -91,8 +91,8 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
   With `batches` the totals are timed on the train step's own program
   (`losses.batch_loss` on raw uint8 batches, cycled through): a profile
   timed with 5 repeats on one noise batch measured ResNet-20's
-  forward+backward at 82.7 ms where the benchmark's runs of the same session
-  measured 68-69 ms (experiments/README.md).
+  forward+backward at 82.7 ms where the benchmark's runs on the same machine
+  that hour measured 68-69 ms.
 
   Args:
     model: the Flax classifier.

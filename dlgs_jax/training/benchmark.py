@@ -45,7 +45,7 @@ import os
 import time
 from typing import Optional
 
-from dlgs_jax.compress.methods import METHODS, MethodConfig, base_method, method_config
+from dlgs_jax.compress.methods import METHODS, MethodConfig, base_method, known, method_config
 from dlgs_jax.compress.optimizer import OptimizerConfig, build_optimizer
 from dlgs_jax.training.plans import backward_order_of
 
@@ -102,7 +102,7 @@ class BenchmarkConfig:
     names = list(self.compare)
     if len(set(names)) != len(names) or "" in names:
       raise ValueError(f"--compare needs distinct method names, got {','.join(names)!r}")
-    unknown = [name for name in names if name not in METHODS and not _is_variant(name)]
+    unknown = [name for name in names if not known(name)]
     if unknown:
       raise ValueError(f"--compare: unknown methods {unknown} (methods: {', '.join(METHODS)}, "
                        "or a variant such as dlgs-paper)")
@@ -125,14 +125,6 @@ class BenchmarkConfig:
     if not METHODS[base_method(name)].layer_wise:
       shared.pop("min_ndim"), shared.pop("send_whole")
     return method_config(name, **shared).validate()
-
-
-def _is_variant(name: str) -> bool:
-  try:
-    base_method(name)
-  except ValueError:
-    return False
-  return True
 
 
 def time_repetitions(run, repetitions: int, barrier) -> list[float]:

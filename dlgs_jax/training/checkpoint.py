@@ -198,15 +198,6 @@ class Checkpointer:
       raise CheckpointCorrupt("its arrays do not match the fingerprints it was saved with")
     return restored, record
 
-  def latest_identity(self) -> Optional[dict[str, Any]]:
-    """The identity in the newest readable record (None when none can be read)."""
-    for step in sorted(self.all_steps(), reverse=True):
-      try:
-        return self.read_record(step).get("identity", {})
-      except CheckpointCorrupt:
-        continue
-    return None
-
   def restore_latest_good(self, target: Any, *, allow: frozenset = frozenset()
                           ) -> tuple[Any, dict[str, Any]]:
     """The newest checkpoint that restores and verifies; each one passed over is warned of.

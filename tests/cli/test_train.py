@@ -77,12 +77,7 @@ def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
   proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args, "--workdir",
                            str(workdir)], env=child_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
-  metrics = workdir / "metrics.jsonl"
-  deadline = time.monotonic() + 300
-  while time.monotonic() < deadline and proc.poll() is None:
-    if metrics.exists() and '"step": 10,' in metrics.read_text():
-      break
-    time.sleep(0.01)
+  wait_for_step(proc, workdir, 10)
   assert proc.poll() is None, "the run ended before it could be killed"
   proc.send_signal(signal.SIGKILL)
   proc.wait()
@@ -132,12 +127,7 @@ def test_one_run_per_workdir_and_a_dead_runs_lock_is_recovered(tmp_path):
   first = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args],
                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and first.poll() is None:
-      if metrics.exists() and '"step": 4,' in metrics.read_text():
-        break
-      time.sleep(0.05)
+    wait_for_step(first, tmp_path, 4)
     assert first.poll() is None, "the first run ended before the second started"
     for extra in ([], ["--resume"]):
       second = run_cli([*args, *extra])

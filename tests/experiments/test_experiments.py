@@ -228,7 +228,7 @@ def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settin
                                              command="x", **changed), "results": runs}))
     return str(path)
 
-  # One session trained seeds 2 and 0, another seed 1 with DLGS before dense.
+  # One job trained seeds 2 and 0, another seed 1 with DLGS before dense.
   first = write("a", [run("dense", None, 2), run("dlgs", 0.1, 2), run("dense", None, 0),
                       run("dlgs", 0.1, 0)])
   second = write("b", [run("dlgs", 0.1, 1), run("dense", None, 1)])
