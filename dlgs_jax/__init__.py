@@ -11,17 +11,23 @@ from dlgs_jax.compress.collectives import (dense_mean, gtopk_indices, gtopk_mean
 from dlgs_jax.compress.deep_gradient_compression import dgc
 from dlgs_jax.compress.grouping import backward_order, leaf_paths, output_layer
 from dlgs_jax.compress.state import (CommStats, DenseState, DGCState, DLGSState, SparseState,
-                            TernGradState, comm_stats, stats_summary)
+                                     TernGradState, comm_stats, comm_stats_by_path, stats_summary)
 from dlgs_jax.compress.ternary import terngrad
 from dlgs_jax.compress.transforms import dense, dlgs, gtopk, lags, topk
 from dlgs_jax.compress import wire
+from dlgs_jax.workload.parallel import (data_mesh, fetch, init_per_worker, place_state, replicate,
+                                        shard_batch, squeeze_state, stack_per_worker, state_specs,
+                                        unsqueeze_state)
+from dlgs_jax.workload.sharded_step import DataParallel, StepState, data_parallel
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommStats", "DGCState", "DLGSState", "DenseState", "SparseState", "TernGradState",
-    "backward_order", "comm_stats", "dense", "dense_mean", "dgc", "dlgs", "gtopk",
-    "gtopk_indices", "gtopk_mean", "lags", "leaf_paths", "output_layer", "ring_allreduce",
-    "sparse_allgather_mean", "sparse_allgather_means", "stats_summary", "terngrad", "topk",
-    "wire",
+    "CommStats", "DGCState", "DLGSState", "DataParallel", "DenseState", "SparseState",
+    "StepState", "TernGradState", "backward_order", "comm_stats", "comm_stats_by_path",
+    "data_mesh", "data_parallel", "dense", "fetch", "dense_mean", "dgc", "dlgs", "gtopk",
+    "gtopk_indices", "gtopk_mean", "init_per_worker", "lags", "leaf_paths", "output_layer",
+    "place_state", "replicate", "ring_allreduce", "shard_batch", "sparse_allgather_mean",
+    "sparse_allgather_means", "squeeze_state", "stack_per_worker", "state_specs",
+    "stats_summary", "terngrad", "topk", "unsqueeze_state", "wire",
 ]

@@ -44,6 +44,22 @@ def dense_mean(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
   return lax.pmean(x, axis_name)
 
 
+def gather_replicated(x: jax.Array, axis_name: AxisName) -> jax.Array:
+  """All-gather of `x` over `axis_name` (new leading axis), typed replicated.
+
+  Every worker receives the same rows, and shard_map's checks are told so:
+  what is computed from them alone (a mean) is typed replicated too, so a step
+  can return it with ``out_specs`` ``P()`` with the checks on. ``lax.all_gather``
+  types its result as varying.
+  """
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  gather = getattr(lax, "all_gather_invariant", None)
+  if gather is None:  # not yet exported by jax 0.10
+    from jax._src.lax import parallel  # pylint: disable=g-import-not-at-top
+    gather = parallel.all_gather_invariant
+  return gather(x, axes)
+
+
 def _pack(values: jax.Array, indices: jax.Array) -> jax.Array:
   return jnp.concatenate([
       values.astype(jnp.float32),
@@ -103,7 +119,7 @@ def sparse_allgather_means(
     axis_name: the data-parallel axis.
 
   Returns:
-    float32[size_j] per segment, identical on all workers.
+    float32[size_j] per segment, identical on all workers (typed replicated).
 
   Raises:
     ValueError: when the segments do not add up to the buffer.
@@ -115,7 +131,7 @@ def sparse_allgather_means(
   if axis_name is None:
     rows_values, rows_indices, num = values[None].astype(jnp.float32), indices[None], 1
   else:
-    rows_values, rows_indices = _unpack(lax.all_gather(_pack(values, indices), axis_name))
+    rows_values, rows_indices = _unpack(gather_replicated(_pack(values, indices), axis_name))
     num = num_workers(axis_name)
   starts = list(itertools.accumulate([0] + slots[:-1]))
 
@@ -127,8 +143,6 @@ def sparse_allgather_means(
     return [d.at[rows_indices[row, a:a + n]].add(rows_values[row, a:a + n], mode="drop")
             for d, a, n in zip(dense, starts, slots)]
 
-  # Starting from the first row (not from zeros) gives the carry the same
-  # varying-across-workers type as the rows inside shard_map.
   first = add_row(0, [jnp.zeros((size,), jnp.float32) for _, size in segments])
   dense = lax.fori_loop(1, rows_values.shape[0], add_row, first)
   return [d / num for d in dense]
@@ -242,14 +256,22 @@ def gtopk_mean(
     axis_name: the data-parallel axis.
 
   Returns:
-    ``(mean, sent)``: float32[n] dense mean over workers (identical on all), and
+    ``(mean, sent)``: float32[n] dense mean over workers (identical on all,
+    typed replicated), and
     int32[k] the indices every worker sent (sentinel-padded).
   """
   size = flat.shape[0]
   sent = gtopk_indices(values, indices, k, size, axis_name=axis_name)
   local = flat.astype(jnp.float32).at[sent].get(mode="fill", fill_value=0.0)
-  summed = local if axis_name is None else lax.psum(local, axis_name)
-  mean = jnp.zeros((size,), jnp.float32).at[sent].set(
+  if axis_name is None:
+    summed, agreed = local, sent
+  else:
+    # Every worker holds the same indices, but they came through ppermute and
+    # are typed varying; worker 0's copy rides along in the values' all-reduce
+    # (k int32 more), so the mean is typed replicated.
+    summed, agreed = lax.psum(
+        (local, jnp.where(worker_index(axis_name) == 0, sent, 0)), axis_name)
+  mean = jnp.zeros((size,), jnp.float32).at[agreed].set(
       summed / num_workers(axis_name), mode="drop")
   return mean, sent
 

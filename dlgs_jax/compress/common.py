@@ -105,28 +105,91 @@ def unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name
   return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), sent, kept)
 
 
+def axes_of(axis_name) -> tuple:
+  """The mesh axis names of a data axis (None: none) as a tuple."""
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes over which `x` may differ, as shard_map's checks type it."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  varying = manual.varying if manual is not None else getattr(aval, "vma", None)
+  return frozenset(varying or ())
+
+
+def types_checked(axis_name) -> bool:
+  """Whether shard_map's replication checks (``check_vma``) are on for `axis_name`.
+
+  A worker's index always differs between workers, so it is typed varying
+  exactly when the checks are on.
+  """
+  axes = axes_of(axis_name)
+  if not axes:
+    return False
+  try:
+    index = lax.axis_index(axes)
+  except NameError:  # not inside shard_map: the first collective will say so
+    return False
+  return set(axes) <= varying_axes(index)
+
+
 def as_varying(tree, axis_name):
   """Marks every leaf as varying over `axis_name` (shard_map's check_vma types).
 
-  The skip and communicate results `unless_nonfinite` selects between must have
-  equal types; the per-worker state is varying by nature, so everything is made
-  varying.
+  The per-worker state differs between workers by nature, and the skip and
+  communicate results `unless_nonfinite` selects between must have equal
+  types, so every state leaf is made varying. Updates are not: they come out of
+  the collectives typed replicated.
   Without type checking (``check_vma=False``) this is a no-op.
   """
-  if axis_name is None:
+  axes = axes_of(axis_name)
+  if not axes:
     return tree
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
   def cast(x):
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    varying = manual.varying if manual is not None else getattr(aval, "vma", None)
-    if varying is None:
-      return x
-    missing = tuple(a for a in axes if a not in varying)
+    missing = tuple(a for a in axes if a not in varying_axes(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree_util.tree_map(cast, tree)
+
+
+def check_per_worker(grads, count, axis_name) -> None:
+  """Refuses gradients or a state that shard_map types as replicated over the data axes.
+
+  Only with shard_map's checks on (without them every value looks replicated).
+  Gradients typed replicated were already summed over the workers by JAX (the
+  gradient of parameters that entered shard_map replicated); compressing them
+  would send a sum and divide it again. A state typed replicated was given with
+  ``in_specs`` ``P()``: its residuals would be one worker's, kept as everyone's.
+
+  Args:
+    grads: the gradient tree given to the update.
+    count: the state's step counter (every state has one, per worker).
+    axis_name: the transform's data axis.
+
+  Raises:
+    ValueError: naming the first replicated gradient leaf or the state, and the fix.
+  """
+  axes = axes_of(axis_name)
+  if not types_checked(axis_name):
+    return
+  for path, leaf in zip(grouping.leaf_paths(grads), jax.tree_util.tree_leaves(grads)):
+    if not set(axes) <= varying_axes(leaf):
+      raise ValueError(
+          f"the gradient leaf {path!r} is typed replicated over {axis_name!r}: JAX already "
+          f"summed it over the workers (the parameters entered shard_map replicated); take "
+          f"the gradient at lax.pcast(params, {axis_name!r}, to='varying') so each worker's "
+          f"own gradient reaches the compressor, or use dlgs_jax.data_parallel")
+  if not set(axes) <= varying_axes(count):
+    raise ValueError(
+        f"the optimizer state is typed replicated over {axis_name!r} (in_specs P()), but "
+        f"this transform's state is per worker: create it with "
+        f"dlgs_jax.init_per_worker(tx, params, mesh), give shard_map in_specs "
+        f"dlgs_jax.state_specs(state, {axis_name!r}) and drop the worker axis inside with "
+        f"dlgs_jax.squeeze_state, or use dlgs_jax.data_parallel")
 
 
 def check_matches(grads, reference, against: str) -> None:
@@ -146,7 +209,14 @@ def check_matches(grads, reference, against: str) -> None:
   for path, leaf, ref in zip(grouping.leaf_paths(grads), leaves, reference_leaves):
     if tuple(jnp.shape(leaf)) != tuple(jnp.shape(ref)):
       raise ValueError(f"the gradient leaf {path!r} has shape {tuple(jnp.shape(leaf))}, in "
-                       f"{against} it has shape {tuple(jnp.shape(ref))}")
+                       f"{against} it has shape {tuple(jnp.shape(ref))}{_worker_axis_hint(leaf, ref)}")
+
+
+def _worker_axis_hint(leaf, ref) -> str:
+  if tuple(jnp.shape(ref)) == (1,) + tuple(jnp.shape(leaf)):
+    return (" (a per-worker state keeps its worker axis outside shard_map; drop it inside "
+            "with dlgs_jax.squeeze_state)")
+  return ""
 
 
 def check_residual_dtype(dtype):
@@ -201,12 +271,14 @@ def is_passive(leaf) -> bool:
   return not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) or jnp.size(leaf) == 0
 
 
-def with_passive_leaves(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+def with_passive_leaves(tx: optax.GradientTransformation,
+                        axis_name=None) -> optax.GradientTransformation:
   """`tx` on the floating, non-empty leaves; every other leaf gets a zero update, no traffic.
 
   Passive leaves become empty subtrees (None) before `tx` sees the tree, so its
   state and messages hold only the leaves it communicates; a tree without passive
-  leaves is handed over as it is.
+  leaves is handed over as it is. Gradients and state typed replicated over
+  `axis_name` are refused first (`check_per_worker`).
   """
   def strip(tree):
     return jax.tree_util.tree_map(lambda x: None if is_passive(x) else x, tree)
@@ -217,11 +289,14 @@ def with_passive_leaves(tx: optax.GradientTransformation) -> optax.GradientTrans
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     passive = [is_passive(x) for x in leaves]
+    check_per_worker(strip(updates), state.count, axis_name)
     if not any(passive):
       return tx.update(updates, state, params)
     inner, state = tx.update(strip(updates), state, None if params is None else strip(params))
     active = iter(jax.tree_util.tree_leaves(inner))
-    merged = [jnp.zeros_like(x) if p else next(active) for x, p in zip(leaves, passive)]
+    # Constants: typed replicated, like the communicated leaves' updates.
+    merged = [jnp.zeros(jnp.shape(x), jnp.result_type(x)) if p else next(active)
+              for x, p in zip(leaves, passive)]
     return jax.tree_util.tree_unflatten(treedef, merged), state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -184,14 +184,14 @@ def dgc(
     velocity = jax.tree_util.tree_leaves(state.velocity)
     residuals = jax.tree_util.tree_leaves(state.residuals)
     step = _Step(settings, state, grads, velocity, residuals, sparse, dense)
-    means, new_u, new_v, stats, count = common.unless_nonfinite(
+    means, (new_u, new_v, stats, count) = common.unless_nonfinite(
         skip_nonfinite, grads, axis_name, step.communicate, step.skip)
     original = jax.tree_util.tree_leaves(updates)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
     return (unflatten([m.astype(g.dtype) for m, g in zip(means, original)]),
             DGCState(count, unflatten(new_u), unflatten(new_v), state.key, stats))
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn))
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)
 
 
 def _check_args(momentum, sample_ratio, warmup_steps, warmup_stages, max_lowering, min_ndim,
@@ -306,7 +306,7 @@ class _Step:
             for j, v in enumerate(accumulated)]
         out = engine.sparse_exchange(self.sparse_layout, select, "allgather", accumulated,
                                      thresholds, axis_name=s.axis_name)
-        return common.as_varying(out[:5], s.axis_name)
+        return (out[0],) + tuple(common.as_varying(out[1:5], s.axis_name))
       return run
 
     stage = warmup_stage(state.count, s.warmup_steps, s.warmup_stages)
@@ -344,12 +344,12 @@ class _Step:
       passed.append(size)
     stats = CommStats(bytes_sent, bytes_sent, jnp.concatenate(selected),
                       jnp.concatenate(passed), self.state.stats.skipped, jnp.zeros((), jnp.int32))
-    return common.as_varying((means, new_u, new_v, stats, self.state.count + 1), s.axis_name)
+    return means, common.as_varying((new_u, new_v, stats, self.state.count + 1), s.axis_name)
 
   def skip(self):
     state = self.state
     means = [jnp.zeros(g.shape, jnp.float32) for g in self.grads]
     stats = empty_stats(_num_groups(self.sparse, self.dense))._replace(
         skipped=state.stats.skipped + 1)
-    return common.as_varying((means, list(self.velocity), list(self.residuals), stats, state.count),
-                       self.s.axis_name)
+    return means, common.as_varying(
+        (list(self.velocity), list(self.residuals), stats, state.count), self.s.axis_name)

@@ -26,7 +26,7 @@ def leaf_paths(tree: Any) -> list[str]:
 
 
 def backward_order(
-    loss_fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any
+    loss_fn: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False, **kwargs: Any
 ) -> list[str]:
   """Leaf paths of `params` in the order their gradients become ready.
 
@@ -37,13 +37,19 @@ def backward_order(
   Args:
     loss_fn: scalar function whose first argument is `params`.
     params: the parameter tree (arrays or `jax.ShapeDtypeStruct`s).
-    *args: further arguments of `loss_fn` (a batch, ...).
+    *args: further arguments of `loss_fn` (a batch, a model state, ...): pytrees
+      of arrays.
+    has_aux: `loss_fn` returns ``(loss, anything)`` (as for ``jax.grad``), e.g.
+      the updated model state.
     **kwargs: keyword arguments of `loss_fn`.
 
   Returns:
     Every leaf path of `params` exactly once, earliest-ready first.
   """
-  closed = jax.make_jaxpr(lambda p: jax.grad(loss_fn)(p, *args, **kwargs))(params)
+  # The other arguments are traced too: a Flax NNX model merged from them inside
+  # the loss may then update its state (BatchNorm statistics) as it does in a step.
+  grad_fn = jax.grad(loss_fn, has_aux=has_aux)
+  closed = jax.make_jaxpr(lambda p, a: grad_fn(p, *a, **kwargs))(params, args)
   paths = leaf_paths(params)
   positions = _producer_positions(closed.jaxpr)
   ranked = []
@@ -61,7 +67,8 @@ def output_layer(order: Sequence[str]) -> list[str]:
 
   The output layer's gradients are the first to become ready, so it is the
   module of ``order[0]``; its leaves are the paths in that module (same path
-  up to the last ``/``).
+  up to the last ``/``; Flax NNX paths end in the variable's ``/value``, which
+  is not a part of the module's name).
 
   Args:
     order: every leaf path, earliest-ready first (`backward_order`).
@@ -74,8 +81,14 @@ def output_layer(order: Sequence[str]) -> list[str]:
   """
   if not order:
     raise ValueError("order is empty: the model has no parameters")
-  module = order[0].rpartition("/")[0]
-  return [path for path in order if path.rpartition("/")[0] == module]
+  module = _module_of(order[0])
+  return [path for path in order if _module_of(path) == module]
+
+
+def _module_of(path: str) -> str:
+  if path.endswith("/value"):
+    path = path[:-len("/value")]
+  return path.rpartition("/")[0]
 
 
 def _var_key(var) -> int:

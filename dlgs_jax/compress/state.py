@@ -40,6 +40,11 @@ class DenseState(NamedTuple):
   stats: CommStats
 
 
+def is_per_worker(node: Any) -> bool:
+  """Whether `node` is one of this library's transform states (per worker, with residuals)."""
+  return isinstance(node, (DLGSState, SparseState, DenseState, TernGradState, DGCState))
+
+
 def empty_stats(num_groups: int) -> CommStats:
   return CommStats(
       bytes_sent=jnp.zeros((), jnp.float32),
@@ -67,6 +72,19 @@ def comm_stats(opt_state: Any) -> Optional[CommStats]:
     if isinstance(leaf, CommStats):
       return leaf
   return None
+
+
+def comm_stats_by_path(opt_state: Any) -> dict[str, CommStats]:
+  """Every `CommStats` inside an optimizer state, keyed by its path in the state.
+
+  A chain with two compressors (e.g. one per parameter subset, through
+  ``optax.multi_transform``) has two entries; a path reads as
+  ``jax.tree_util.keystr`` writes it (``[0].stats`` for the first link of a chain).
+  """
+  found = jax.tree_util.tree_flatten_with_path(
+      opt_state, is_leaf=lambda x: isinstance(x, CommStats))[0]
+  return {jax.tree_util.keystr(path): leaf for path, leaf in found
+          if isinstance(leaf, CommStats)}
 
 
 def stats_summary(stats: CommStats) -> dict[str, float]:

@@ -114,7 +114,7 @@ def terngrad(
         if axis_name is None:
           gathered = packed[None]
         else:
-          gathered = lax.all_gather(packed, axis_name)
+          gathered = collectives.gather_replicated(packed, axis_name)
         total = jnp.sum(unpack_ternary(gathered, flat.shape[0]).astype(jnp.int32), axis=0)
         for leaf, value in engine.split_flat(layout, group, total).items():
           means[leaf] = value.astype(jnp.float32) * scalers[leaf] / workers
@@ -124,21 +124,21 @@ def terngrad(
       sent = jnp.asarray(sent_bytes, jnp.float32)
       stats = CommStats(sent, sent, jnp.stack(selected), jnp.stack(passed), state.stats.skipped,
                         jnp.zeros((), jnp.int32))
-      return common.as_varying((means, stats, state.count + 1), axis_name)
+      return means, common.as_varying((stats, state.count + 1), axis_name)
 
     def skip():
       means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
       stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
-      return common.as_varying((means, stats, state.count), axis_name)
+      return means, common.as_varying((stats, state.count), axis_name)
 
-    means, stats, count = common.unless_nonfinite(
+    means, (stats, count) = common.unless_nonfinite(
         skip_nonfinite, grads, axis_name, communicate, skip)
     new_updates = jax.tree_util.tree_unflatten(
         layout.treedef, [m.astype(g.dtype) for m, g in
                          zip(means, jax.tree_util.tree_leaves(updates))])
     return new_updates, TernGradState(count, state.key, stats)
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn))
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)
 
 
 def _clip(g: jax.Array, clip: Optional[float]) -> jax.Array:

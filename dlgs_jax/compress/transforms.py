@@ -3,15 +3,20 @@
 Every factory returns an `optax.GradientTransformation` whose update runs inside
 `jax.shard_map` over the data axis `axis_name` (``None``: one worker) and
 outputs the *mean over workers* of what was communicated -- identical on every
-worker -- so it composes with any optax optimizer placed after it::
+worker, and typed replicated, so a step can return the parameters with
+``out_specs`` ``P()`` with shard_map's checks on -- and it composes with any
+optax optimizer placed after it::
 
     tx = optax.chain(dlgs_jax.dlgs(0.01, axis_name="data"),
                      optax.add_decayed_weights(5e-4),
                      optax.sgd(0.1, momentum=0.9))
 
 The state of each sparse transform holds error-feedback residuals shaped like
-the parameters. It is per worker: inside `shard_map` give it a leading worker
-axis (see `dlgs_jax.workload.parallel`).
+the parameters. It is per worker: outside `shard_map` it has a leading worker
+axis sharded over the data axes (`dlgs_jax.init_per_worker`), dropped inside
+(`dlgs_jax.squeeze`). Gradients must be each worker's own: with the checks on,
+gradients or a state typed replicated are refused (`common.check_per_worker`);
+`dlgs_jax.data_parallel` builds a whole step that gets this right.
 
 Non-finite gradients: when any worker's gradient contains a NaN or an infinity
 (``skip_nonfinite=True``, the default), every worker skips the step -- the
@@ -90,15 +95,15 @@ def _sparse_transform(
           layout, select, collective, accumulated, thresholds, axis_name=axis_name,
           packed=packed)
       stats = CommStats(sent, received, selected, passed, state.stats.skipped, exact)
-      return common.as_varying((means, residuals, thresholds, stats, state.count + 1), axis_name)
+      return means, common.as_varying((residuals, thresholds, stats, state.count + 1), axis_name)
 
     def skip():
       means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
       stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
-      return common.as_varying(
-          (means, list(old_residuals), old_thresholds, stats, state.count), axis_name)
+      return means, common.as_varying(
+          (list(old_residuals), old_thresholds, stats, state.count), axis_name)
 
-    means, residuals, thresholds, stats, count = common.unless_nonfinite(
+    means, (residuals, thresholds, stats, count) = common.unless_nonfinite(
         skip_nonfinite, grads, axis_name, communicate, skip)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(layout.treedef, leaves)
     sent, residuals = common.round_into_residuals(means, residuals, grads)
@@ -107,7 +112,7 @@ def _sparse_transform(
       return new_updates, DLGSState(count, unflatten(residuals), unflatten(thresholds), stats)
     return new_updates, SparseState(count, unflatten(residuals), stats)
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn))
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)
 
 
 def dlgs(
@@ -299,17 +304,17 @@ def dense(
       sizes = jnp.asarray([layout.group_size(g) for g in range(num_groups)], jnp.int32)
       stats = CommStats(sent, received, sizes, sizes, state.stats.skipped,
                         jnp.zeros((), jnp.int32))
-      return common.as_varying((means, stats, state.count + 1), axis_name)
+      return means, common.as_varying((stats, state.count + 1), axis_name)
 
     def skip():
-      means = [jnp.zeros_like(g) for g in grads]
+      means = [jnp.zeros(g.shape, g.dtype) for g in grads]
       stats = empty_stats(num_groups)._replace(skipped=state.stats.skipped + 1)
-      return common.as_varying((means, stats, state.count), axis_name)
+      return means, common.as_varying((stats, state.count), axis_name)
 
-    means, stats, count = common.unless_nonfinite(
+    means, (stats, count) = common.unless_nonfinite(
         skip_nonfinite, grads, axis_name, communicate, skip)
     new_updates = jax.tree_util.tree_unflatten(
         layout.treedef, [m.astype(g.dtype) for m, g in zip(means, grads)])
     return new_updates, DenseState(count, stats)
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn))
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)

@@ -46,7 +46,8 @@ def gtopk_bytes(k: int, workers: int, rank=None):
   extra = workers - p2
   rounds = (p2 - 1).bit_length()
   message = k * PAIR_BYTES
-  reduce = allreduce_bytes(k, workers)  # exact values at the agreed indices
+  # Exact values at the agreed indices, and worker 0's copy of those indices.
+  reduce = allreduce_bytes(2 * k, workers)
   if rank is None:
     # Ranks below `extra` receive the handed-over set and send the result back.
     busiest_sent = rounds * message + (extra > 0) * 4 * k + reduce

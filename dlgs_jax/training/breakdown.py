@@ -80,12 +80,13 @@ class _Programs:
 
     def exchange(g, s, p):
       # The params update too, as in compress: their difference is the collectives.
-      u, s = tx.update(parallel.squeeze(g), parallel.squeeze(s), p)
-      return optax.apply_updates(p, u), parallel.unsqueeze(s)
+      u, s = tx.update(parallel.squeeze(g), parallel.squeeze_state(s), p)
+      return optax.apply_updates(p, u), parallel.unsqueeze_state(s)
 
+    specs = parallel.state_specs(self.state.opt_state, "data")
     exchange_fn = jax.jit(jax.shard_map(exchange, mesh=work.mesh,
-                                        in_specs=(P("data"), P("data"), P()),
-                                        out_specs=(P(), P("data")), check_vma=False))
+                                        in_specs=(P("data"), specs, P()),
+                                        out_specs=(P(), specs)))
     # Committed to the device like compress's outputs: an uncommitted initial state
     # compiles compress a second time, inside the first timed repetition.
     local = {"params": params, "state": jax.device_put(tx_local.init(params), device)}
@@ -105,8 +106,8 @@ class _Programs:
                                                      self.state.params))
     # exchange's inputs as this process's first worker holds them, updated without
     # collectives: the difference between the two programs is the collectives alone.
-    state_local = jax.device_put(jax.tree_util.tree_map(
-        lambda x: x[0], parallel.fetch(self.state.opt_state)), device)
+    state_local = jax.device_put(parallel.map_state(
+        lambda x: x[0], lambda x: x, parallel.fetch(self.state.opt_state)), device)
 
     @jax.jit
     def update_fn(g, s, p):

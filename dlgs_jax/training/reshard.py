@@ -1,6 +1,7 @@
 """Moving a run's optimizer state onto another number of workers (resuming on more or fewer).
 
-The per-worker optimizer state carries a leading worker axis. Error-feedback
+The per-worker parts of the optimizer state (this library's transform states)
+carry a leading worker axis; the rest is replicated and kept as it is. Error-feedback
 residuals (and DGC's velocity) hold gradient mass not yet applied: with P workers
 it enters the updates as ``sum_w e_w / P``. On P' workers each worker starts from
 ``sum_w e_w / P``, so ``sum_w' e'_w / P'`` is the same mass and nothing is lost.
@@ -16,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from dlgs_jax.compress.state import is_per_worker
+
 # State fields that hold gradient mass (`compress.state`): redistributed, their sum kept.
 MASS_FIELDS = frozenset({"residuals", "velocity"})
 
@@ -28,12 +31,13 @@ def redistribute(opt_state: Any, workers: int) -> Any:
   """One worker's row of each per-worker leaf, for a run of any number of workers.
 
   Args:
-    opt_state: host arrays with a leading axis of the checkpoint's P workers.
+    opt_state: host arrays; those of this library's states with a leading axis
+      of the checkpoint's P workers.
     workers: the new worker count P' (only used to check it).
 
   Returns:
     The tree without the worker axis: every new worker starts from it (place it
-    with `workload.parallel.stack_per_worker`).
+    with `workload.parallel.place_state`).
 
   Raises:
     ValueError: for a worker count below 1 or a leaf without a worker axis.
@@ -54,4 +58,7 @@ def redistribute(opt_state: Any, workers: int) -> Any:
       return x.astype(np.float64).mean(0).astype(x.dtype)
     return x[0]
 
-  return jax.tree_util.tree_map_with_path(row, opt_state)
+  def visit(node):
+    return jax.tree_util.tree_map_with_path(row, node) if is_per_worker(node) else node
+
+  return jax.tree_util.tree_map(visit, opt_state, is_leaf=is_per_worker)

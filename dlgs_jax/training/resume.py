@@ -61,14 +61,16 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
   target = state._replace(
       params=jax.tree_util.tree_map(host, state.params),
       batch_stats=jax.tree_util.tree_map(host, state.batch_stats),
-      opt_state=jax.tree_util.tree_map(lambda x: host(x, saved_workers), state.opt_state),
+      opt_state=parallel.map_state(lambda x: host(x, saved_workers),
+                                   lambda node: jax.tree_util.tree_map(host, node),
+                                   state.opt_state),
       step=host(state.step))
   restored, record = ckpt.restore_latest_good(target, allow=RESHARDABLE)
   row = reshard.redistribute(restored.opt_state, run.workers)
   run.state = state._replace(
       params=parallel.replicate(restored.params, run.mesh),
       batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
-      opt_state=parallel.stack_per_worker(row, run.mesh),
+      opt_state=parallel.place_state(row, run.mesh),
       step=parallel.replicate(restored.step, run.mesh))
   run.log(f"the checkpoint was written by {saved_workers} workers, this run has "
           f"{run.workers}: residuals redistributed with their sum kept"

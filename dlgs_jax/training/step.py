@@ -1,8 +1,9 @@
 """A data-parallel training step for Flax classifiers with any dlgs_jax transform.
 
-The step runs under `jax.jit(jax.shard_map(...))` over a 1-D data mesh:
-parameters and BatchNorm statistics are replicated, the batch and the optimizer
-state (error-feedback residuals) are per worker (see `dlgs_jax.workload.parallel`).
+The step is `workload.sharded_step.data_parallel`'s, the one users build for
+their own models: parameters and BatchNorm statistics are replicated, the batch
+and the transforms' states (error-feedback residuals) are per worker (see
+`dlgs_jax.workload.parallel`), with shard_map's checks on.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from dlgs_jax.compress import collectives
-from dlgs_jax.workload import data
-from dlgs_jax.workload import parallel
-from dlgs_jax.compress.state import comm_stats
+from dlgs_jax.workload import data, parallel, sharded_step
 from dlgs_jax.workload.losses import apply_for_training, cross_entropy, init_variables
 
 
@@ -36,7 +34,8 @@ def train_state_from_variables(variables: dict, tx: optax.GradientTransformation
 
   Args:
     variables: the model's variables, the same in every process.
-    tx: the gradient transformation; its state is initialised per worker.
+    tx: the gradient transformation; this library's transform states are
+      placed per worker, the rest replicated (`parallel.place_state`).
     mesh: the 1-D data mesh.
 
   Returns:
@@ -47,7 +46,7 @@ def train_state_from_variables(variables: dict, tx: optax.GradientTransformation
   return TrainState(
       params=parallel.replicate(params, mesh),
       batch_stats=parallel.replicate(batch_stats, mesh),
-      opt_state=parallel.stack_per_worker(tx.init(params), mesh),
+      opt_state=parallel.place_state(tx.init(params), mesh),
       step=parallel.replicate(np.zeros((), np.int32), mesh),
   )
 
@@ -61,7 +60,7 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample:
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
                     *, augment: bool = True, pad: int = 4, mean=data.CIFAR10_MEAN,
                     std=data.CIFAR10_STD, seed: int = 0) -> Callable:
-  """Builds ``step(state, images, labels) -> (state, metrics)``.
+  """Builds ``step(state, images, labels) -> (state, metrics)`` on `sharded_step.data_parallel`.
 
   Args:
     model: Flax classifier called as ``model(x, train=...)``.
@@ -74,58 +73,33 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     seed: augmentation seed.
 
   Returns:
-    A jitted function. `images` (uint8) and `labels` are per-worker arrays of
+    A function. `images` (uint8) and `labels` are per-worker arrays of
     shape ``(workers, batch, ...)``; metrics are replicated scalars: loss,
     accuracy and, when the optimizer holds `CommStats`, the mean bytes sent and
     values selected per worker this step, the count of skipped steps and the
     leaves whose threshold was computed exactly this step (DLGS). The
     state argument is donated.
   """
-  axis = mesh.axis_names[0]
+
+  def loss_fn(params, batch_stats, batch, key=None):
+    images, labels = batch[0][0], batch[1][0]  # this worker's row of the worker axis
+    if augment:
+      images = data.augment_cifar(key, images, pad=pad)
+    logits, updates = apply_for_training(model, params, batch_stats,
+                                         data.normalize(images, mean, std))
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    return cross_entropy(logits, labels), (updates.get("batch_stats", {}),
+                                           {"accuracy": accuracy})
+
+  stepper = sharded_step.data_parallel(
+      loss_fn if augment else (lambda p, s, b: loss_fn(p, s, b)), tx, mesh,
+      model_state=True, has_aux=True, seed=seed if augment else None)
 
   def step(state: TrainState, images, labels):
-    images, labels = images[0], labels[0]
-    opt_state = parallel.squeeze(state.opt_state)
-    if augment:
-      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state.step),
-                               jax.lax.axis_index(axis))
-      images = data.augment_cifar(key, images, pad=pad)
-    inputs = data.normalize(images, mean, std)
+    new_state, metrics = stepper.step(sharded_step.StepState(*state), (images, labels))
+    return TrainState(*new_state), metrics
 
-    def loss_fn(params):
-      logits, updates = apply_for_training(model, params, state.batch_stats, inputs)
-      return cross_entropy(logits, labels), (logits, updates)
-
-    (loss, (logits, model_updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params)
-    updates, opt_state = tx.update(grads, opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
-    metrics = {"loss": loss, "accuracy": accuracy}
-    stats = comm_stats(opt_state)
-    if stats is not None:
-      # Per-worker numbers; their mean is logged (selections differ per worker).
-      metrics.update(bytes_sent=stats.bytes_sent.astype(jnp.float32),
-                     selected=jnp.sum(stats.selected).astype(jnp.float32),
-                     skipped=stats.skipped.astype(jnp.float32),
-                     exact=stats.exact.astype(jnp.float32))
-    # Running BatchNorm statistics are averaged so every worker keeps the same,
-    # together with the metrics in one all-reduce (each collective pays the
-    # network latency once).
-    batch_stats, metrics = collectives.fused_pmean(
-        (model_updates.get("batch_stats", {}), metrics), axis_name=axis)
-    new_state = TrainState(params, batch_stats, parallel.unsqueeze(opt_state), state.step + 1)
-    return new_state, metrics
-
-  state_spec = TrainState(PartitionSpec(), PartitionSpec(), PartitionSpec(axis), PartitionSpec())
-  # check_vma=False: sparse updates are identical on all workers by construction
-  # (tested bit for bit) but JAX's type system cannot prove it for all-gather
-  # results, and the replicated out_specs would be refused.
-  return jax.jit(jax.shard_map(
-      step, mesh=mesh,
-      in_specs=(state_spec, PartitionSpec(axis), PartitionSpec(axis)),
-      out_specs=(state_spec, PartitionSpec()),
-      check_vma=False), donate_argnums=0)
+  return step
 
 
 def make_fingerprint_fn(mesh: Mesh) -> Callable:

@@ -1,10 +1,13 @@
 """Meshes and array placement for data-parallel training with `jax.shard_map`.
 
 Layout used throughout dlgs_jax: parameters are replicated; anything that is
-per worker -- the batch, and the optimizer state that holds error-feedback
-residuals -- carries a leading *worker axis* sharded over the data axis, so
-inside `shard_map` each worker sees a leading axis of length 1 (`squeeze` /
-`unsqueeze` drop and restore it). Everything here works with one process and
+per worker -- the batch, and the states of this library's transforms, which
+hold error-feedback residuals -- carries a leading *worker axis* sharded over
+the data axes, so inside `shard_map` each worker sees a leading axis of length 1
+(`squeeze` / `unsqueeze` drop and restore it). The other parts of an optimizer
+state (an optax momentum, the states of `optax.chain`'s other links) are the
+same on every worker and replicated: `init_per_worker`, `state_specs`,
+`squeeze_state` and `unsqueeze_state` place and view a whole optimizer state so. Everything here works with one process and
 with many (`jax.distributed`): arrays are built from each process's local part.
 """
 
@@ -16,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dlgs_jax.compress.state import is_per_worker
 
 
 def data_mesh(num_workers: Optional[int] = None, axis_name: str = "data") -> Mesh:
@@ -30,7 +35,8 @@ def data_mesh(num_workers: Optional[int] = None, axis_name: str = "data") -> Mes
 
 
 def per_worker_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+  """A leading worker axis split over all of the mesh's axes."""
+  return NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
 
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
@@ -105,3 +111,67 @@ def fetch(tree: Any) -> Any:
       return np.asarray(shards[0].data)
     return np.concatenate([np.asarray(s.data) for s in shards])
   return jax.tree_util.tree_map(get, tree)
+
+
+def map_state(per_worker, replicated, opt_state: Any) -> Any:
+  """Applies `per_worker` to the leaves of this library's states, `replicated` to the rest."""
+  def visit(node):
+    if is_per_worker(node):
+      return jax.tree_util.tree_map(per_worker, node)
+    return replicated(node)
+  return jax.tree_util.tree_map(visit, opt_state, is_leaf=is_per_worker)
+
+
+def data_axes(mesh: Mesh, axis_name=None):
+  """The mesh's data axes as a transform takes them: `axis_name`, or every mesh axis."""
+  if axis_name is not None:
+    return tuple(axis_name) if isinstance(axis_name, list) else axis_name
+  names = tuple(mesh.axis_names)
+  return names[0] if len(names) == 1 else names
+
+
+def state_specs(opt_state: Any, axis_name) -> Any:
+  """`PartitionSpec`s for an optimizer state: per worker for this library's states, else ``P()``.
+
+  Args:
+    opt_state: the state (or its shapes) of an optimizer containing transforms
+      of this library.
+    axis_name: the data axis or axes.
+
+  Returns:
+    A tree of the state's structure, for shard_map's ``in_specs``/``out_specs``.
+  """
+  return map_state(lambda _: PartitionSpec(axis_name), lambda _: PartitionSpec(),
+                         opt_state)
+
+
+def place_state(opt_state: Any, mesh: Mesh) -> Any:
+  """Places one worker's optimizer state on `mesh`: per-worker parts stacked, the rest replicated."""
+  workers = mesh.devices.size
+
+  def stacked(x):
+    x = np.asarray(x)
+    shape = (workers,) + x.shape
+    return jax.make_array_from_callback(
+        shape, per_worker_sharding(mesh), lambda index: np.broadcast_to(x, shape)[index])
+
+  return map_state(stacked, lambda node: replicate(node, mesh), opt_state)
+
+
+def init_per_worker(tx, params: Any, mesh: Mesh) -> Any:
+  """``tx.init(params)``, placed for a data-parallel step on `mesh` (`place_state`).
+
+  Pass it to shard_map with ``in_specs`` `state_specs` and drop the worker
+  axis inside with `squeeze_state`.
+  """
+  return place_state(tx.init(params), mesh)
+
+
+def squeeze_state(opt_state: Any) -> Any:
+  """Inside shard_map: drops the worker axis of the per-worker parts of an optimizer state."""
+  return map_state(lambda x: x[0], lambda node: node, opt_state)
+
+
+def unsqueeze_state(opt_state: Any) -> Any:
+  """Inside shard_map: restores the worker axis `squeeze_state` dropped."""
+  return map_state(lambda x: jnp.expand_dims(x, 0), lambda node: node, opt_state)

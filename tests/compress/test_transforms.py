@@ -109,9 +109,10 @@ def test_one_collective_per_group(groups, expected):
   assert count_collectives(tx, "all_gather") == expected
   gtx = dlgs_jax.dlgs(0.1, axis_name="data", groups=groups, order=ORDER, collective="gtopk")
   assert count_collectives(gtx, "all_gather") == 0
-  # log2(8) = 3 exchanges per group, and one k-value psum per group (plus the finite flag).
+  # log2(8) = 3 exchanges per group, and per group one all-reduce of the k values and of
+  # worker 0's k indices (one psum each in the jaxpr), plus the finite flag.
   assert count_collectives(gtx, "ppermute") == 3 * expected
-  assert count_collectives(gtx, "psum") == expected + 1
+  assert count_collectives(gtx, "psum") == 2 * expected + 1
 
 
 def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
@@ -500,7 +501,7 @@ def test_plan_like_object_is_accepted():
   assert grouping.resolve_groups(grouping.leaf_paths(PARAMS), Plan.groups, ORDER)[0] == [2, 3, 0]
 
 
-COLLECTIVE_PRIMITIVES = ("all_gather", "psum", "psum_invariant", "pmax", "ppermute",
+COLLECTIVE_PRIMITIVES = ("all_gather", "all_gather_invariant", "psum", "psum_invariant", "pmax", "ppermute",
                          "all_to_all", "reduce_scatter")
 
 

@@ -37,6 +37,18 @@ def test_the_residual_mass_is_kept_and_shared_values_stay(old, new):
 
 def test_a_leaf_without_a_worker_axis_or_no_workers_are_refused():
   with pytest.raises(ValueError, match="has no worker axis"):
-    reshard.redistribute({"residuals": np.float32(1.0)}, 2)
+    reshard.redistribute(dlgs_jax.dlgs(0.25).init({"w": np.zeros(3, np.float32)}), 2)
   with pytest.raises(ValueError, match="workers must be >= 1"):
     reshard.redistribute({}, 0)
+
+
+def test_replicated_parts_of_a_chain_are_kept_as_they_are():
+  """Only this library's states carry a worker axis; an optax momentum is replicated."""
+  rng = np.random.default_rng(0)
+  trace = {"w": rng.standard_normal((6, 4)).astype(np.float32),
+           "b": rng.standard_normal(4).astype(np.float32)}
+  chain_state = (per_worker_state(3, rng), {"trace": trace})
+  row = reshard.redistribute(chain_state, 2)
+  assert all(row[1]["trace"][k] is trace[k] for k in trace)
+  np.testing.assert_allclose(row[0].residuals["w"],
+                             chain_state[0].residuals["w"].sum(0) / 3, rtol=1e-6)

@@ -1,0 +1,236 @@
+"""One data-parallel training step for any model: `data_parallel`.
+
+From a loss function, an optax chain holding a dlgs_jax transform and a mesh,
+`data_parallel` builds ``init`` and ``step``, run as ``jax.jit(jax.shard_map(...))``
+with shard_map's replication checks on:
+
+* each worker takes the gradient of its own slice of the batch at parameters
+  cast to varying (``lax.pcast``), so JAX adds no all-reduce of its own and the
+  transform's collective is the only gradient traffic;
+* the transform's update comes out typed replicated, so the parameters stay
+  replicated (``P()``) and JAX proves it;
+* this library's transform states are per worker (`parallel.place_state`), every
+  other part of the optimizer state replicated;
+* mutable model state (BatchNorm statistics, NNX's non-parameter state) is
+  averaged over the workers, together with the metrics, in one all-reduce;
+* ``micro_batches`` accumulates gradients over slices of each worker's batch and
+  communicates once.
+
+It serves plain pytrees, Flax Linen (``batch_stats``) and Flax NNX
+(``nnx.split`` into parameters and the rest, ``nnx.merge`` inside the loss): see
+``examples/``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from dlgs_jax.compress import collectives, common
+from dlgs_jax.compress.state import comm_stats_by_path
+from dlgs_jax.workload import parallel
+
+
+class StepState(NamedTuple):
+  """Everything a data-parallel step carries (placed by ``DataParallel.init``)."""
+  params: Any       # replicated parameter tree
+  model_state: Any  # replicated mutable model state ({} without one)
+  opt_state: Any    # the optimizer state: this library's states per worker, the rest replicated
+  step: jax.Array   # int32[], replicated: steps taken
+
+
+class DataParallel(NamedTuple):
+  """What `data_parallel` returns."""
+  init: Callable     # init(params, model_state=None) -> StepState on the mesh
+  step: Callable     # step(state, batch) -> (state, metrics); `state` is donated
+  axis_name: Any     # the data axis or axes the step runs over
+  batch_sharding: Any  # NamedSharding for a batch leaf (leading axis split over workers)
+
+
+def data_parallel(
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name=None,
+    model_state: bool = False,
+    has_aux: bool = False,
+    seed: Optional[int] = None,
+    micro_batches: int = 1,
+) -> DataParallel:
+  """Builds a data-parallel training step with gradient communication by `tx`.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``; with `model_state`,
+      ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``; with
+      `has_aux`, the loss comes with a dict of scalar metrics (``(loss, aux)``,
+      or ``(loss, (new_model_state, aux))``); with a `seed`, a last argument
+      ``key`` is a PRNG key different for every step and worker. `batch` is one
+      worker's slice of the batch (or of one micro-batch).
+    tx: the optimizer, containing a dlgs_jax transform whose ``axis_name`` is
+      the data axis (or axes).
+    mesh: the device mesh; all its axes are data axes unless `axis_name` says.
+    axis_name: the data axis or axes (default: every axis of `mesh`).
+    model_state: whether the loss takes and returns mutable model state.
+    has_aux: whether the loss returns metrics (averaged over workers).
+    seed: gives the loss a per-step, per-worker ``key`` from this seed.
+    micro_batches: slices of each worker's batch whose gradients are summed
+      before one communication (gradient accumulation; the compressor runs once).
+
+  Returns:
+    A `DataParallel`. ``step(state, batch)``: `batch` is any pytree of arrays
+    whose leading axis is split over the workers (place it with
+    ``batch_sharding``); metrics are replicated scalars: ``loss``, the aux
+    metrics, and from the transforms' statistics ``bytes_sent`` (per worker,
+    all transforms of the chain), ``selected``, ``skipped`` and ``exact``.
+
+  Raises:
+    ValueError: for a bad argument, naming it.
+  """
+  axis_name = common.check_axis_name(parallel.data_axes(mesh, axis_name))
+  if not set(common.axes_of(axis_name)) <= set(mesh.axis_names):
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+  if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+    raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+  if not callable(loss_fn):
+    raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
+  loss = _Loss(loss_fn, model_state, has_aux, seed)
+
+  def init(params, state=None) -> StepState:
+    opt_state = tx.init(params)
+    return StepState(parallel.replicate(params, mesh),
+                     parallel.replicate({} if state is None else state, mesh),
+                     parallel.place_state(opt_state, mesh),
+                     parallel.replicate(np.zeros((), np.int32), mesh))
+
+  def local_step(state: StepState, batch):
+    key = None
+    if seed is not None:
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state.step),
+                               lax.axis_index(axis_name))
+    varying = lax.pcast(state.params, common.axes_of(axis_name), to="varying")
+    grads, value, new_model_state, aux = _accumulate(loss, varying, state.model_state, batch,
+                                                     key, micro_batches, axis_name)
+    updates, opt_state = tx.update(grads, parallel.squeeze_state(state.opt_state), state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": value, **aux, **_comm_metrics(opt_state)}
+    new_model_state, metrics = _average(new_model_state, metrics, axis_name)
+    new_state = StepState(params, new_model_state, parallel.unsqueeze_state(opt_state),
+                          state.step + 1)
+    return new_state, metrics
+
+  compiled = {}
+
+  def step(state: StepState, batch):
+    specs = StepState(PartitionSpec(), PartitionSpec(),
+                      parallel.state_specs(state.opt_state, axis_name), PartitionSpec())
+    key = jax.tree_util.tree_structure(specs)
+    if key not in compiled:
+      compiled[key] = jax.jit(jax.shard_map(
+          local_step, mesh=mesh, in_specs=(specs, PartitionSpec(axis_name)),
+          out_specs=(specs, PartitionSpec())), donate_argnums=0)
+    return compiled[key](state, batch)
+
+  return DataParallel(init, step, axis_name,
+                      jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)))
+
+
+class _Loss:
+  """The user's loss behind one calling convention: ``(loss, model_state, aux)``."""
+
+  def __init__(self, fn, with_state: bool, has_aux: bool, seed):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+      raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    self.fn, self.with_state, self.has_aux, self.seed = fn, with_state, has_aux, seed
+    try:
+      wanted = 2 + with_state + (seed is not None)
+      inspect.signature(fn).bind(*range(wanted))
+    except TypeError:
+      raise ValueError(
+          f"loss_fn {getattr(fn, '__name__', fn)!r} must take (params"
+          f"{', model_state' if with_state else ''}, batch{', key' if seed is not None else ''})"
+          f" for model_state={with_state}, seed={seed!r}") from None
+    except ValueError:  # builtins without a signature: called as they are
+      pass
+
+  def __call__(self, params, model_state, batch, key):
+    args = (params, model_state, batch) if self.with_state else (params, batch)
+    out = self.fn(*args, key) if self.seed is not None else self.fn(*args)
+    value, rest = out if (self.with_state or self.has_aux) else (out, None)
+    if self.with_state:
+      new_state, aux = rest if self.has_aux else (rest, {})
+    else:
+      new_state, aux = model_state, (rest if self.has_aux else {})
+    return value, (new_state, dict(aux))
+
+
+def _accumulate(loss: _Loss, params, model_state, batch, key, micro_batches: int, axis_name):
+  """(summed-mean gradients, mean loss, model state after the last slice, mean aux)."""
+  grad_fn = jax.value_and_grad(loss, has_aux=True)
+  if micro_batches == 1:
+    (value, (model_state, aux)), grads = grad_fn(params, model_state, batch, key)
+    return grads, value, model_state, aux
+  parts = jax.tree_util.tree_map(lambda x: _split_rows(x, micro_batches), batch)
+  keys = None if key is None else jax.random.split(key, micro_batches)
+
+  def one(carry, xs):
+    grads, model_state = carry
+    part, part_key = xs
+    (value, (model_state, aux)), g = grad_fn(params, model_state, part, part_key)
+    grads = jax.tree_util.tree_map(lambda a, b: a + b / micro_batches, grads, g)
+    return (grads, model_state), (value, aux)
+
+  zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)), params)
+  zeros = common.as_varying(zeros, axis_name)
+  (grads, model_state), (values, aux) = lax.scan(one, (zeros, model_state), (parts, keys))
+  mean = lambda x: jnp.mean(x, axis=0)
+  return grads, mean(values), model_state, jax.tree_util.tree_map(mean, aux)
+
+
+def _split_rows(x, parts: int):
+  rows = jnp.shape(x)[0] if jnp.ndim(x) else 0
+  if rows % parts:
+    raise ValueError(f"micro_batches={parts} does not divide a worker's batch of {rows} rows "
+                     f"(leaf of shape {jnp.shape(x)})")
+  return jnp.reshape(x, (parts, rows // parts) + tuple(jnp.shape(x)[1:]))
+
+
+def _comm_metrics(opt_state) -> dict:
+  """This worker's traffic this step, over every transform of the chain."""
+  found = comm_stats_by_path(opt_state)
+  if not found:
+    return {}
+  stats = list(found.values())
+  total = lambda field: sum(jnp.sum(getattr(s, field)).astype(jnp.float32) for s in stats)
+  return {"bytes_sent": total("bytes_sent"), "selected": total("selected"),
+          "skipped": total("skipped"), "exact": total("exact")}
+
+
+def _average(model_state, metrics: dict, axis_name):
+  """Model state and metrics as every worker's mean (one all-reduce), typed replicated."""
+  leaves, treedef = jax.tree_util.tree_flatten(model_state)
+  for path, leaf in zip(_paths(model_state), leaves):
+    if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
+      raise ValueError(f"the model state holds a PRNG key at {path}: keys cannot be "
+                       f"averaged over workers; keep them out of the model state (give "
+                       f"data_parallel a seed: the loss gets a key per step and worker)")
+  floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
+  means, metrics = collectives.fused_pmean(
+      ([x for x, f in zip(leaves, floating) if f], metrics), axis_name=axis_name)
+  # Integer state (counters) is the same on every worker; the maximum types it replicated.
+  others = [lax.pmax(x, axis_name) for x, f in zip(leaves, floating) if not f]
+  means, others = iter(means), iter(others)
+  merged = [next(means) if f else next(others) for f in floating]
+  return jax.tree_util.tree_unflatten(treedef, merged), metrics
+
+
+def _paths(tree):
+  return [jax.tree_util.keystr(path) for path, _ in
+          jax.tree_util.tree_flatten_with_path(tree)[0]]

@@ -1,0 +1,270 @@
+"""The data-parallel step: shard_map's checks on, per-worker gradients, Linen, NNX and pytrees."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dlgs_jax
+from dlgs_jax.workload import parallel
+
+W = 4
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((W * 6, 5)).astype(np.float32)
+Y = RNG.standard_normal((W * 6, 3)).astype(np.float32)
+PARAMS = {"w": RNG.standard_normal((5, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}
+
+
+def mesh():
+  return jax.make_mesh((W,), ("data",), devices=jax.devices()[:W])
+
+
+def squared_error(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+COMPRESSORS = {
+    "dense": lambda: dlgs_jax.dense(axis_name="data"),
+    "dlgs": lambda: dlgs_jax.dlgs(0.3, axis_name="data"),
+    "lags": lambda: dlgs_jax.lags(0.3, axis_name="data"),
+    "topk": lambda: dlgs_jax.topk(0.3, axis_name="data"),
+    "gtopk": lambda: dlgs_jax.gtopk(0.3, axis_name="data"),
+    "dgc": lambda: dlgs_jax.dgc(0.3, axis_name="data"),
+    "terngrad": lambda: dlgs_jax.terngrad(axis_name="data"),
+}
+
+
+def docs_style_step(tx, grad_at):
+  """The step JAX's docs teach, with the worker axis of the library's state handled."""
+  def step(params, opt_state, x, y):
+    grads = jax.grad(squared_error)(grad_at(params), (x, y))
+    updates, opt_state = tx.update(grads, dlgs_jax.squeeze_state(opt_state), params)
+    return optax.apply_updates(params, updates), dlgs_jax.unsqueeze_state(opt_state)
+  return step
+
+
+def run_docs_style(tx, params, grad_at=lambda p: lax.pcast(p, "data", to="varying"),
+                   state_specs=None):
+  m = mesh()
+  opt_state = dlgs_jax.init_per_worker(tx, params, m)
+  specs = dlgs_jax.state_specs(opt_state, "data") if state_specs is None else state_specs
+  fn = jax.jit(jax.shard_map(docs_style_step(tx, grad_at), mesh=m,
+                             in_specs=(P(), specs, P("data"), P("data")),
+                             out_specs=(P(), specs)))
+  batch = jax.device_put((X.astype(params["w"].dtype), Y.astype(params["w"].dtype)),
+                         NamedSharding(m, P("data")))
+  return fn(dlgs_jax.replicate(params, m), opt_state, *batch)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_the_docs_style_step_compiles_with_the_checks_on(name, dtype):
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), PARAMS)
+  tx = optax.chain(COMPRESSORS[name](), optax.sgd(0.1, momentum=0.9))
+  new_params, _ = run_docs_style(tx, params)
+  # out_specs P() was accepted: JAX proved the parameters replicated. They moved.
+  assert new_params["w"].dtype == dtype
+  assert not np.array_equal(np.asarray(new_params["w"], np.float32),
+                            np.asarray(params["w"], np.float32))
+
+
+def test_dense_in_the_docs_style_step_is_sgd_on_the_mean_gradient():
+  tx = optax.chain(dlgs_jax.dense(axis_name="data"), optax.sgd(0.1))
+  new_params, _ = run_docs_style(tx, PARAMS)
+  per_worker = [jax.grad(squared_error)(PARAMS, (X[i * 6:(i + 1) * 6], Y[i * 6:(i + 1) * 6]))
+                for i in range(W)]
+  for key in PARAMS:
+    mean = np.mean([np.asarray(g[key]) for g in per_worker], axis=0)
+    np.testing.assert_allclose(new_params[key], PARAMS[key] - 0.1 * mean, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_jax_already_summed_are_refused():
+  tx = dlgs_jax.dlgs(0.3, axis_name="data")
+  with pytest.raises(ValueError, match=r"gradient leaf '(b|w)' is typed replicated over "
+                                       r"'data'.*lax.pcast"):
+    run_docs_style(tx, PARAMS, grad_at=lambda p: p)
+
+
+def test_a_state_given_replicated_is_refused_naming_the_fix():
+  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.sgd(0.1))
+  m = mesh()
+  opt_state = dlgs_jax.replicate(tx.init(PARAMS), m)
+
+  def step(params, opt_state, x, y):
+    grads = jax.grad(squared_error)(lax.pcast(params, "data", to="varying"), (x, y))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("data"), P("data")),
+                             out_specs=(P(), P())))
+  batch = jax.device_put((X, Y), NamedSharding(m, P("data")))
+  with pytest.raises(ValueError, match="optimizer state is typed replicated.*init_per_worker"):
+    fn(dlgs_jax.replicate(PARAMS, m), opt_state, *batch)
+
+
+def test_a_forgotten_axis_name_is_caught_by_jax():
+  """Without the collective the updates differ per worker: out_specs P() is refused."""
+  tx = optax.chain(dlgs_jax.dlgs(0.3), optax.sgd(0.1))
+  with pytest.raises(ValueError, match="out_specs"):
+    run_docs_style(tx, PARAMS)
+
+
+def test_a_state_left_with_its_worker_axis_is_named():
+  tx = dlgs_jax.dlgs(0.3, axis_name="data")
+  state = tx.init(PARAMS)
+  stacked = jax.tree_util.tree_map(lambda x: x[None], state)
+  with pytest.raises(ValueError, match="drop it inside with dlgs_jax.squeeze_state"):
+    tx.update(PARAMS, stacked)
+
+
+def test_state_specs_and_placement_split_the_chain():
+  m = mesh()
+  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.sgd(0.1, momentum=0.9))
+  state = dlgs_jax.init_per_worker(tx, PARAMS, m)
+  specs = dlgs_jax.state_specs(state, "data")
+  assert state[0].residuals["w"].shape == (W, 5, 3)
+  assert specs[0].residuals["w"] == P("data")
+  assert state[1][0].trace["w"].shape == (5, 3)  # the momentum: replicated
+  assert specs[1][0].trace["w"] == P()
+
+
+# --- data_parallel -------------------------------------------------------------------------
+
+
+def test_data_parallel_dense_matches_a_numpy_reference_over_steps():
+  m = mesh()
+  tx = optax.chain(dlgs_jax.dense(axis_name="data"), optax.sgd(0.05))
+  dp = dlgs_jax.data_parallel(squared_error, tx, m)
+  state = dp.init(PARAMS)
+  batch = jax.device_put((X, Y), dp.batch_sharding)
+  ref = {k: v.astype(np.float64) for k, v in PARAMS.items()}
+  for _ in range(3):
+    state, metrics = dp.step(state, batch)
+    grads = [jax.grad(squared_error)(jax.tree_util.tree_map(np.float32, ref),
+                                     (X[i * 6:(i + 1) * 6], Y[i * 6:(i + 1) * 6]))
+             for i in range(W)]
+    ref = {k: ref[k] - 0.05 * np.mean([np.asarray(g[k]) for g in grads], axis=0) for k in ref}
+  for key in PARAMS:
+    np.testing.assert_allclose(dlgs_jax.fetch(state.params)[key], ref[key], rtol=1e-4, atol=1e-6)
+  assert int(state.step) == 3
+  assert float(metrics["bytes_sent"]) == dlgs_jax.wire.allreduce_bytes(15 + 3, W)
+
+
+def count(jaxpr_text, primitive):
+  return len(re.findall(rf" {primitive}(_invariant)?\[", jaxpr_text))
+
+
+def test_micro_batches_accumulate_and_communicate_once():
+  m = mesh()
+  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.sgd(0.05))
+  batch = jax.device_put((X, Y), NamedSharding(m, P("data")))
+  results = {}
+  for parts in (1, 3):
+    dp = dlgs_jax.data_parallel(squared_error, tx, m, micro_batches=parts)
+    state, metrics = dp.step(dp.init(PARAMS), batch)
+    results[parts] = (dlgs_jax.fetch(state.params), metrics)
+  for key in PARAMS:  # mean of equal slices' gradients == the gradient of their union
+    np.testing.assert_allclose(results[3][0][key], results[1][0][key], rtol=1e-5, atol=1e-6)
+  assert float(results[3][1]["bytes_sent"]) == float(results[1][1]["bytes_sent"])
+  dp = dlgs_jax.data_parallel(squared_error, tx, m, micro_batches=3)
+  state = dp.init(PARAMS)
+  text = str(jax.make_jaxpr(lambda s, b: dp.step(s, b))(state, batch))
+  assert count(text, "all_gather") == 2  # one message per leaf, once per step
+  with pytest.raises(ValueError, match="micro_batches=4 does not divide a worker's batch of 6"):
+    dlgs_jax.data_parallel(squared_error, tx, m, micro_batches=4).step(dp.init(PARAMS), batch)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"micro_batches": 0}, "micro_batches must be an integer >= 1, got 0"),
+    ({"axis_name": "model"}, "axis_name 'model' is not an axis of the mesh"),
+    ({"seed": "one"}, "seed must be an integer or None, got 'one'"),
+    ({"model_state": True}, r"loss_fn 'squared_error' must take \(params, model_state, batch\)"),
+])
+def test_bad_arguments_are_refused_before_any_work(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    dlgs_jax.data_parallel(squared_error, dlgs_jax.dense(axis_name="data"), mesh(), **kwargs)
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    return nn.Dense(3)(nn.relu(x))
+
+
+def test_linen_batch_stats_are_averaged_over_workers():
+  m = mesh()
+  model = LinenNet()
+  variables = model.init(jax.random.key(0), X[:2], train=False)
+
+  def loss_fn(params, batch_stats, batch):
+    x, y = batch
+    out, updates = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                               mutable=["batch_stats"])
+    return jnp.mean((out - y) ** 2), (updates["batch_stats"], {"first": out[0, 0]})
+
+  tx = optax.chain(dlgs_jax.lags(0.5, axis_name="data"), optax.sgd(0.01))
+  dp = dlgs_jax.data_parallel(loss_fn, tx, m, model_state=True, has_aux=True)
+  state = dp.init(variables["params"], variables["batch_stats"])
+  state, metrics = dp.step(state, jax.device_put((X, Y), dp.batch_sharding))
+  expected = np.mean([np.asarray(loss_fn(variables["params"], variables["batch_stats"],
+                                         (X[i * 6:(i + 1) * 6], Y[i * 6:(i + 1) * 6]))[1][0]
+                                 ["BatchNorm_0"]["mean"]) for i in range(W)], axis=0)
+  np.testing.assert_allclose(dlgs_jax.fetch(state.model_state)["BatchNorm_0"]["mean"], expected,
+                             rtol=1e-5, atol=1e-7)
+  assert set(metrics) >= {"loss", "first", "bytes_sent", "selected"}
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(5, 8, rngs=rngs)
+    self.norm = nnx.BatchNorm(8, momentum=0.5, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.norm(self.hidden(x))))
+
+
+def test_nnx_split_merge_step_updates_and_averages_its_state():
+  m = mesh()
+  graphdef, params, rest = nnx.split(NNXNet(nnx.Rngs(0)), nnx.Param, ...)
+
+  def loss_fn(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    loss = jnp.mean((model(batch[0]) - batch[1]) ** 2)
+    return loss, nnx.split(model, nnx.Param, ...)[2]
+
+  order = dlgs_jax.backward_order(loss_fn, params, rest, (X[:6], Y[:6]), has_aux=True)
+  assert dlgs_jax.output_layer(order) == ["head/bias/value", "head/kernel/value"]
+  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data", send_whole=dlgs_jax.output_layer(order)),
+                   optax.sgd(0.01))
+  dp = dlgs_jax.data_parallel(loss_fn, tx, m, model_state=True)
+  state = dp.init(params, rest)
+  state, _ = dp.step(state, jax.device_put((X, Y), dp.batch_sharding))
+  new_rest = dlgs_jax.fetch(state.model_state)
+  assert not np.allclose(new_rest["norm"]["mean"][...], 0.0)
+  model = nnx.merge(graphdef, dlgs_jax.fetch(state.params), new_rest)
+  model.eval()
+  assert model(X[:2]).shape == (2, 3)
+
+
+def test_a_prng_key_in_the_model_state_is_refused():
+  m = mesh()
+
+  def loss_fn(params, model_state, batch):
+    return squared_error(params, batch), model_state
+
+  tx = dlgs_jax.dense(axis_name="data")
+  dp = dlgs_jax.data_parallel(loss_fn, tx, m, model_state=True)
+  state = dp.init(PARAMS)._replace(model_state={"rng": jax.random.key(0)})
+  with pytest.raises(ValueError, match=r"PRNG key at \['rng'\].*give data_parallel a seed"):
+    dp.step(state, jax.device_put((X, Y), dp.batch_sharding))
