@@ -91,6 +91,9 @@ FLAGS = (
          "paths, or 'head' for the output layer; '': none (the paper)", parse_names,
          format=",".join),
     Flag("--collective", _M, "collective", "lags/dlgs collective: allgather or gtopk"),
+    Flag("--wire-dtype", _M, "wire_dtype", "dense/topk/lags/dlgs: the values' dtype on the "
+         "wire, float32 or bfloat16 (dense: a bf16 all-reduce; sparse: 6-byte pairs, the "
+         "rounding kept in the residuals)"),
     Flag("--dgc-warmup-epochs", _M, "dgc_warmup_epochs", "DGC: epochs of exponential density "
          "warm-up from 0.25 (capped at a quarter of the run)", float),
     Flag("--terngrad-clip", _M, "terngrad_clip",

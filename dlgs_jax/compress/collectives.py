@@ -74,8 +74,38 @@ def _unpack(message: jax.Array) -> tuple[jax.Array, jax.Array]:
   return values, indices
 
 
+def _pack_half(values: jax.Array, indices: jax.Array) -> jax.Array:
+  """bfloat16 values and int32 indices in one uint16 message: 6 bytes a pair."""
+  halves = lax.bitcast_convert_type(indices.astype(jnp.int32), jnp.uint16)  # (c, 2)
+  return jnp.concatenate([lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16),
+                          halves.reshape(-1)], axis=-1)
+
+
+def _unpack_half(message: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(float32 values, int32 indices) of `_pack_half` messages (rows of a gather)."""
+  c = message.shape[-1] // 3
+  values = lax.bitcast_convert_type(message[..., :c], jnp.bfloat16).astype(jnp.float32)
+  halves = message[..., c:].reshape(message.shape[:-1] + (c, 2))
+  return values, lax.bitcast_convert_type(halves, jnp.int32)
+
+
+WIRE_DTYPES = ("float32", "bfloat16")  # as `wire.WIRE_DTYPES`
+
+
+def check_wire_dtype(dtype) -> str:
+  """The name of a value dtype a sparse message may carry: float32 or bfloat16."""
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in WIRE_DTYPES:
+    raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {dtype!r}")
+  return name
+
+
 def sparse_allgather_mean(
-    values: jax.Array, indices: jax.Array, size: int, *, axis_name: AxisName
+    values: jax.Array, indices: jax.Array, size: int, *, axis_name: AxisName,
+    wire_dtype: str = "float32"
 ) -> jax.Array:
   """Mean over workers of sparse vectors, by all-gather and scatter-add.
 
@@ -87,12 +117,14 @@ def sparse_allgather_mean(
     indices: int32[c] their flat indices, padded with the sentinel `size`.
     size: length of the dense vector.
     axis_name: the data-parallel axis.
+    wire_dtype: "float32" (8-byte pairs) or "bfloat16" (6-byte pairs; the
+      caller keeps what rounding to it loses).
 
   Returns:
     float32[size], identical on all workers.
   """
   return sparse_allgather_means(values, indices, [(values.shape[0], size)],
-                                axis_name=axis_name)[0]
+                                axis_name=axis_name, wire_dtype=wire_dtype)[0]
 
 
 def sparse_allgather_means(
@@ -101,6 +133,7 @@ def sparse_allgather_means(
     segments: Sequence[tuple[int, int]],
     *,
     axis_name: AxisName,
+    wire_dtype: str = "float32",
 ) -> list[jax.Array]:
   """Means over workers of several sparse vectors sent in one all-gather.
 
@@ -117,6 +150,8 @@ def sparse_allgather_means(
     indices: int32[c] their indices, local to each segment's vector.
     segments: ``(slots, size)`` per vector; the slots add up to c.
     axis_name: the data-parallel axis.
+    wire_dtype: "float32" (8-byte pairs) or "bfloat16" (6-byte pairs: the
+      values are rounded to it before they leave; the caller keeps the rounding).
 
   Returns:
     float32[size_j] per segment, identical on all workers (typed replicated).
@@ -128,8 +163,15 @@ def sparse_allgather_means(
   if sum(slots) != values.shape[0] or values.shape != indices.shape:
     raise ValueError(f"segments of {slots} slots do not cut a buffer of "
                      f"{values.shape[0]} values and {indices.shape[0]} indices")
+  half = check_wire_dtype(wire_dtype) == "bfloat16"
+  if half:
+    values = values.astype(jnp.bfloat16)
   if axis_name is None:
     rows_values, rows_indices, num = values[None].astype(jnp.float32), indices[None], 1
+  elif half:
+    rows_values, rows_indices = _unpack_half(
+        gather_replicated(_pack_half(values, indices), axis_name))
+    num = num_workers(axis_name)
   else:
     rows_values, rows_indices = _unpack(gather_replicated(_pack(values, indices), axis_name))
     num = num_workers(axis_name)

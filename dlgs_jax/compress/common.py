@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from dlgs_jax.compress import engine, grouping
+from dlgs_jax.compress import collectives, engine, grouping
 
 
 def check_density(density) -> float:
@@ -31,6 +31,21 @@ def check_collective(collective) -> str:
     raise ValueError(
         f"unknown collective {collective!r}; expected one of {engine.SPARSE_COLLECTIVES}")
   return collective
+
+
+def check_wire_dtype(dtype) -> str:
+  """"float32" or "bfloat16" (a dtype or its name), else a ValueError naming it."""
+  return collectives.check_wire_dtype(dtype)
+
+
+def check_sparse_wire(dtype, collective: str) -> str:
+  """A sparse message's value dtype; bfloat16 only for the all-gather."""
+  dtype = check_wire_dtype(dtype)
+  if dtype == "bfloat16" and collective != "allgather":
+    raise ValueError(f"wire_dtype 'bfloat16' works with the all-gather, not collective "
+                     f"{collective!r}: gTop-k's all-reduce sums on the wire, and the rounding "
+                     f"of that sum could not be kept in any worker's residual")
+  return dtype
 
 
 def check_groups(groups, order):

@@ -8,6 +8,8 @@ flat leaf lists; `transforms.py` wraps them into optax transformations.
 
 from __future__ import annotations
 
+import itertools
+
 import dataclasses
 import math
 from typing import Any, Optional, Sequence
@@ -220,6 +222,7 @@ def sparse_exchange(
     *,
     axis_name,
     packed: Optional[Sequence[jax.Array]] = None,
+    wire_dtype: str = "float32",
 ):
   """One sparse communication step over all groups.
 
@@ -238,6 +241,8 @@ def sparse_exchange(
     packed: optionally, each leaf's passing mask for its threshold, packed by
       `selection.pack_passing` (as `step_thresholds` returns it), so it is not
       built again.
+    wire_dtype: the all-gather's value dtype; with "bfloat16" what rounding a
+      sent value loses stays in the residual.
 
   Returns:
     ``(means, residuals, selected, passed, bytes_sent, bytes_received)``:
@@ -276,14 +281,16 @@ def sparse_exchange(
       indices = jnp.concatenate(sent)
       segments = [(i.shape[0], layout.sizes[leaf]) for leaf, i in zip(leaves, sent)]
       group_means = collectives.sparse_allgather_means(values, indices, segments,
-                                                       axis_name=axis_name)
-      for leaf, g, i, mean in zip(leaves, flats, sent, group_means):
+                                                       axis_name=axis_name, wire_dtype=wire_dtype)
+      kept = _split_like(_unsent(values, wire_dtype), sent)
+      for leaf, g, i, mean, k in zip(leaves, flats, sent, group_means, kept):
         means[leaf] = mean.reshape(layout.shapes[leaf])
-        residuals[leaf] = g.at[i].set(0, mode="drop").reshape(layout.shapes[leaf])
+        residuals[leaf] = g.at[i].set(k.astype(g.dtype), mode="drop").reshape(
+            layout.shapes[leaf])
       group_selected = sum(selection.count_valid(i, layout.sizes[leaf])
                            for leaf, i in zip(leaves, sent))
       group_passed = sum(leaf_passed)
-      sent_bytes = received_bytes = wire.allgather_bytes(indices.shape[0], workers)
+      sent_bytes = received_bytes = wire.allgather_bytes(indices.shape[0], workers, wire_dtype)
     else:
       flat = concat_flat([accumulated[leaf] for leaf in leaves])
       if select.kind == "group_topk":
@@ -299,15 +306,17 @@ def sparse_exchange(
           offset += leaf_size
         indices = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
       values = flat.at[indices].get(mode="fill", fill_value=0)
+      kept = jnp.zeros((), flat.dtype)
       if collective == "allgather":
-        mean = collectives.sparse_allgather_mean(values, indices, size, axis_name=axis_name)
-        sent = indices
-        sent_bytes = received_bytes = wire.allgather_bytes(indices.shape[0], workers)
+        mean = collectives.sparse_allgather_mean(values, indices, size, axis_name=axis_name,
+                                                 wire_dtype=wire_dtype)
+        sent, kept = indices, _unsent(values.astype(jnp.float32), wire_dtype).astype(flat.dtype)
+        sent_bytes = received_bytes = wire.allgather_bytes(indices.shape[0], workers, wire_dtype)
       else:
         k = select.group_k(layout, group)
         mean, sent = collectives.gtopk_mean(flat, values, indices, k, axis_name=axis_name)
         sent_bytes, received_bytes = wire.gtopk_bytes(k, workers, rank)
-      residual = flat.at[sent].set(0, mode="drop")
+      residual = flat.at[sent].set(kept, mode="drop")
       means_group = split_flat(layout, group, mean)
       residual_group = split_flat(layout, group, residual)
       for leaf in leaves:
@@ -322,8 +331,31 @@ def sparse_exchange(
           bytes_sent, bytes_received)
 
 
-def dense_exchange(layout: Layout, updates: Sequence[jax.Array], *, axis_name):
+def _unsent(values: jax.Array, wire_dtype: str):
+  """What rounding float32 `values` to the wire's dtype loses (0 for float32)."""
+  if wire_dtype == "float32":
+    return jnp.zeros((), values.dtype)
+  return values - values.astype(jnp.bfloat16).astype(values.dtype)
+
+
+def _split_like(kept: jax.Array, parts: Sequence[jax.Array]) -> list:
+  """`kept` cut like the concatenation of `parts` (a scalar is every part's)."""
+  if kept.ndim == 0:
+    return [kept] * len(parts)
+  bounds = list(itertools.accumulate(p.shape[0] for p in parts))[:-1]
+  return jnp.split(kept, bounds)
+
+
+def dense_exchange(layout: Layout, updates: Sequence[jax.Array], *, axis_name,
+                   wire_dtype: Optional[str] = None):
   """Mean all-reduce with tensor fusion: one collective per group.
+
+  Args:
+    layout: the static layout.
+    updates: one worker's leaves.
+    axis_name: the data-parallel axis.
+    wire_dtype: the dtype summed on the wire ("bfloat16": the usual bf16
+      all-reduce); None: the leaves' own.
 
   Returns:
     ``(means, bytes_sent, bytes_received)``.
@@ -333,6 +365,8 @@ def dense_exchange(layout: Layout, updates: Sequence[jax.Array], *, axis_name):
   total_bytes = 0.0
   for group, leaves in enumerate(layout.groups):
     flat = concat_flat([updates[leaf] for leaf in leaves])
+    if wire_dtype is not None:
+      flat = flat.astype(wire_dtype)
     mean = collectives.dense_mean(flat, axis_name=axis_name)
     for leaf, value in split_flat(layout, group, mean).items():
       means[leaf] = value

@@ -50,6 +50,9 @@ class MethodConfig:
     collective: LAGS/DLGS: ``"allgather"`` or ``"gtopk"``.
     dgc_warmup_epochs: DGC: epochs of exponential density warm-up.
     terngrad_clip: TernGrad: clip at this many standard deviations (0: none).
+    wire_dtype: dense, Top-k, LAGS, DLGS: the values' dtype on the wire,
+      ``"float32"`` or ``"bfloat16"`` (dense: a bf16 all-reduce; sparse: 6-byte
+      pairs, the rounding kept in the residuals).
   """
   name: str = "dlgs"
   density: float = 0.01
@@ -60,6 +63,7 @@ class MethodConfig:
   collective: str = "allgather"
   dgc_warmup_epochs: float = 4.0
   terngrad_clip: float = 2.5
+  wire_dtype: str = "float32"
 
   def __post_init__(self):
     object.__setattr__(self, "send_whole", tuple(self.send_whole))
@@ -83,6 +87,14 @@ class MethodConfig:
       raise ConfigError("collective", self.collective, "choose allgather or gtopk")
     _check_number("dgc_warmup_epochs", self.dgc_warmup_epochs, 0.0, math.inf)
     _check_number("terngrad_clip", self.terngrad_clip, 0.0, math.inf)
+    if self.wire_dtype not in wire.WIRE_DTYPES:
+      raise ConfigError("wire_dtype", self.wire_dtype, f"choose from {wire.WIRE_DTYPES}")
+    if self.wire_dtype != "float32" and "wire_dtype" not in self.spec.options:
+      raise ConfigError("wire_dtype", self.wire_dtype,
+                        f"applies to {', '.join(names(wire_dtype=True))}, not {self.name}")
+    if self.wire_dtype != "float32" and self.collective != "allgather" and self.spec.layer_wise:
+      raise ConfigError("wire_dtype", self.wire_dtype,
+                        "needs the all-gather: gTop-k's all-reduce sums on the wire")
     layer_wise = self.spec.layer_wise
     if self.min_ndim and not layer_wise:
       raise ConfigError("min_ndim", self.min_ndim, f"applies to lags and dlgs, not {self.name}")
@@ -226,11 +238,12 @@ class Variant:
 
 
 def _build_dense(c: MethodConfig, ctx: _BuildContext):
-  return dense(axis_name=ctx.axis_name, groups=ctx.groups or [list(ctx.order)], order=ctx.order)
+  return dense(axis_name=ctx.axis_name, groups=ctx.groups or [list(ctx.order)], order=ctx.order,
+               wire_dtype=c.wire_dtype)
 
 
 def _build_topk(c: MethodConfig, ctx: _BuildContext):
-  return topk(c.density, axis_name=ctx.axis_name)
+  return topk(c.density, axis_name=ctx.axis_name, wire_dtype=c.wire_dtype)
 
 
 def _build_gtopk(c: MethodConfig, ctx: _BuildContext):
@@ -239,13 +252,14 @@ def _build_gtopk(c: MethodConfig, ctx: _BuildContext):
 
 def _build_lags(c: MethodConfig, ctx: _BuildContext):
   return lags(c.density, axis_name=ctx.axis_name, groups=ctx.groups, order=ctx.order,
-              collective=c.collective, min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order))
+              collective=c.collective, min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order),
+              wire_dtype=c.wire_dtype)
 
 
 def _build_dlgs(c: MethodConfig, ctx: _BuildContext):
   return dlgs(c.density, axis_name=ctx.axis_name, reuse_every=c.reuse_every, groups=ctx.groups,
               order=ctx.order, collective=c.collective, refresh_below=c.refresh_below,
-              min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order))
+              min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order), wire_dtype=c.wire_dtype)
 
 
 def _build_dgc(c: MethodConfig, ctx: _BuildContext):
@@ -265,13 +279,14 @@ def _dgc_bytes(size: int, k: int, workers: int) -> float:
   return wire.allgather_bytes(min(size, math.ceil(DGC_BAND_UPPER * k)), workers)
 
 
-_LAYER_WISE = ("density", "min_ndim", "send_whole", "collective")
+_LAYER_WISE = ("density", "min_ndim", "send_whole", "collective", "wire_dtype")
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dense", "all-reduce of everything, fused into planned groups", _build_dense,
-           options=(), takes_groups=True, grouping="optimal", collective="allreduce",
+           options=("wire_dtype",), takes_groups=True, grouping="optimal", collective="allreduce",
            message_bytes=lambda size, k, workers: wire.allreduce_bytes(size, workers)),
-    Method("topk", "global top-k of all leaves, all-gathered", _build_topk),
+    Method("topk", "global top-k of all leaves, all-gathered", _build_topk,
+           options=("density", "wire_dtype")),
     Method("lags", "exact top-k per leaf every step (LAGS)", _build_lags, takes_groups=True,
            options=_LAYER_WISE, per_leaf_update=True, whole_layers=True, grouping="wfbp"),
     Method("gtopk", "global top-k of the sum in log2 P pairwise rounds", _build_gtopk,
@@ -330,13 +345,18 @@ def method_config(name: str, **options) -> MethodConfig:
 
 
 def names(*, planner_prices: Optional[bool] = None, modelled: Optional[bool] = None,
-          uses_density: Optional[bool] = None, takes_groups: Optional[bool] = None) -> tuple:
-  """Method names whose declared properties match every given value, in table order."""
+          uses_density: Optional[bool] = None, takes_groups: Optional[bool] = None,
+          wire_dtype: Optional[bool] = None) -> tuple:
+  """Method names whose declared properties match every given value, in table order.
+
+  ``wire_dtype=True``: the methods that take the option of that name.
+  """
   wanted = {k: v for k, v in dict(planner_prices=planner_prices, modelled=modelled,
                                   uses_density=uses_density, takes_groups=takes_groups).items()
             if v is not None}
   return tuple(m.name for m in METHODS.values()
-               if all(getattr(m, k) == v for k, v in wanted.items()))
+               if all(getattr(m, k) == v for k, v in wanted.items())
+               and (wire_dtype is None or ("wire_dtype" in m.options) == wire_dtype))
 
 
 def configurations(methods: Sequence[str], densities: Sequence[float]) -> list[tuple[str, float]]:

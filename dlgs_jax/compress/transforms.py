@@ -53,9 +53,11 @@ def _sparse_transform(
     reuse_every: Optional[int],
     skip_nonfinite: bool,
     residual_dtype=jnp.float32,
+    wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Residual + selection + sparse collective; `reuse_every` enables DLGS thresholds."""
   with_thresholds = select.kind == "threshold"
+  wire_dtype = common.check_sparse_wire(wire_dtype, collective)
   residual_dtype = common.check_residual_dtype(residual_dtype)
   axis_name = common.check_axis_name(axis_name)
 
@@ -93,7 +95,7 @@ def _sparse_transform(
             select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
       means, residuals, selected, passed, sent, received = engine.sparse_exchange(
           layout, select, collective, accumulated, thresholds, axis_name=axis_name,
-          packed=packed)
+          packed=packed, wire_dtype=wire_dtype)
       stats = CommStats(sent, received, selected, passed, state.stats.skipped, exact)
       return means, common.as_varying((residuals, thresholds, stats, state.count + 1), axis_name)
 
@@ -129,6 +131,7 @@ def dlgs(
     send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
     residual_dtype=jnp.float32,
+    wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
 
@@ -183,6 +186,10 @@ def dlgs(
       (float32 whatever the parameters' dtype: bfloat16 residuals would round
       away the small values they exist to keep). The mean is computed in it, and
       what rounding it to the gradient's dtype loses stays in the residuals.
+    wire_dtype: dtype of the values in the all-gather's messages: "float32"
+      (8-byte pairs) or "bfloat16" (6-byte pairs; what rounding a sent value
+      loses stays in the sender's residual, so nothing is lost). Not with
+      ``collective="gtopk"``, whose all-reduce sums on the wire.
 
   Returns:
     An `optax.GradientTransformation` with state `DLGSState`.
@@ -209,7 +216,7 @@ def dlgs(
                        common.check_min_ndim(min_ndim), common.check_send_whole(send_whole)),
       common.check_collective(collective), axis_name=axis_name, groups=groups,
       order=order, single_group=False, reuse_every=int(reuse_every),
-      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
+      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype, wire_dtype=wire_dtype)
 
 
 def lags(
@@ -223,11 +230,12 @@ def lags(
     send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
     residual_dtype=jnp.float32,
+    wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
 
   Exact ``lax.top_k`` of every leaf on every step, with error-feedback
-  residuals. Arguments as in `dlgs`; state `SparseState`.
+  residuals. Arguments as in `dlgs` (`wire_dtype` too); state `SparseState`.
   """
   density = common.check_density(density)
   groups, order = common.check_groups(groups, order)
@@ -236,26 +244,30 @@ def lags(
                        whole_paths=common.check_send_whole(send_whole)),
       common.check_collective(collective),
       axis_name=axis_name, groups=groups, order=order, single_group=False,
-      reuse_every=None, skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
+      reuse_every=None, skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype,
+      wire_dtype=wire_dtype)
 
 
-def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, residual_dtype):
+def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, residual_dtype,
+                 wire_dtype="float32"):
   """One top-k over all leaves sent by `collective` (Top-k and gTop-k)."""
   return _sparse_transform(
       engine.Selection("group_topk", common.check_density(density)), collective,
       axis_name=axis_name, groups=None, order=None, single_group=True, reuse_every=None,
-      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype)
+      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype, wire_dtype=wire_dtype)
 
 
 def topk(
-    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype=jnp.float32
+    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype=jnp.float32,
+    wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Top-k S-SGD: one global top-k over all leaves, all-gathered (O(kP) traffic).
 
   ``k = max(1, ceil(density * total_size))``; unsent values stay in the
-  residuals. State `SparseState`.
+  residuals; `wire_dtype` as in `dlgs`. State `SparseState`.
   """
-  return _global_topk(density, "allgather", axis_name, skip_nonfinite, residual_dtype)
+  return _global_topk(density, "allgather", axis_name, skip_nonfinite, residual_dtype,
+                      wire_dtype)
 
 
 def gtopk(
@@ -277,13 +289,19 @@ def dense(
     groups=None,
     order: Optional[Sequence[str]] = None,
     skip_nonfinite: bool = True,
+    wire_dtype=None,
 ) -> optax.GradientTransformation:
   """Dense mean all-reduce with tensor fusion: one collective per group.
 
   ``groups=None`` fuses each leaf alone (wait-free backprop); pass
-  ``[all paths]`` for one fused buffer. State `DenseState`.
+  ``[all paths]`` for one fused buffer. ``wire_dtype="bfloat16"`` sums in
+  bfloat16 on the wire (half the bytes, and the rounding of the sum is lost:
+  the bf16 all-reduce a sparse method is honestly compared with); None: the
+  gradients' own dtype. State `DenseState`.
   """
   axis_name = common.check_axis_name(axis_name)
+  if wire_dtype is not None:
+    wire_dtype = common.check_wire_dtype(wire_dtype)
   groups, order = common.check_groups(groups, order)
 
   def layout_of(tree):
@@ -300,14 +318,16 @@ def dense(
     num_groups = len(layout.groups)
 
     def communicate():
-      means, sent, received = engine.dense_exchange(layout, grads, axis_name=axis_name)
+      means, sent, received = engine.dense_exchange(layout, grads, axis_name=axis_name,
+                                                    wire_dtype=wire_dtype)
       sizes = jnp.asarray([layout.group_size(g) for g in range(num_groups)], jnp.int32)
       stats = CommStats(sent, received, sizes, sizes, state.stats.skipped,
                         jnp.zeros((), jnp.int32))
       return means, common.as_varying((stats, state.count + 1), axis_name)
 
     def skip():
-      means = [jnp.zeros(g.shape, g.dtype) for g in grads]
+      means = [jnp.zeros(g.shape, g.dtype if wire_dtype is None else wire_dtype)
+               for g in grads]
       stats = empty_stats(num_groups)._replace(skipped=state.stats.skipped + 1)
       return means, common.as_varying((stats, state.count), axis_name)
 

@@ -4,7 +4,8 @@ One place for the traffic model, used both by the transforms' per-step
 statistics and by the planner's communication-cost model. The counts assume the
 bandwidth-optimal algorithms NCCL and gloo use: a ring all-reduce sends
 2(P-1)/P of the data per worker; a ring all-gather forwards P-1 chunks.
-Values are float32 and indices int32, so a sparse pair is 8 bytes.
+Values are float32 and indices int32, so a sparse pair is 8 bytes (6 with
+bfloat16 values on the wire).
 """
 
 from __future__ import annotations
@@ -12,6 +13,22 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 PAIR_BYTES = 8  # float32 value + int32 index
+HALF_PAIR_BYTES = 6  # bfloat16 value + int32 index (``wire_dtype="bfloat16"``)
+
+
+WIRE_DTYPES = ("float32", "bfloat16")
+
+
+def value_scale(collective: str, wire_dtype: str = "float32") -> float:
+  """Bytes of a message with `wire_dtype` values over those of its float32 form."""
+  if wire_dtype == "float32":
+    return 1.0
+  return {"allreduce": 0.5, "allgather": HALF_PAIR_BYTES / PAIR_BYTES}[collective]
+
+
+def pair_bytes(wire_dtype: str = "float32") -> int:
+  """Bytes of one (value, index) pair with values of `wire_dtype`."""
+  return HALF_PAIR_BYTES if wire_dtype == "bfloat16" else PAIR_BYTES
 
 
 def allreduce_bytes(num_values: int, workers: int, itemsize: int = 4) -> float:
@@ -21,11 +38,11 @@ def allreduce_bytes(num_values: int, workers: int, itemsize: int = 4) -> float:
   return 2.0 * (workers - 1) / workers * num_values * itemsize
 
 
-def allgather_bytes(num_pairs: int, workers: int) -> float:
+def allgather_bytes(num_pairs: int, workers: int, wire_dtype: str = "float32") -> float:
   """Bytes sent (= received) per worker by a ring all-gather of `num_pairs` pairs each."""
   if workers <= 1:
     return 0.0
-  return float((workers - 1) * num_pairs * PAIR_BYTES)
+  return float((workers - 1) * num_pairs * pair_bytes(wire_dtype))
 
 
 def gtopk_bytes(k: int, workers: int, rank=None):

@@ -223,7 +223,7 @@ def dlgs_exact_fraction(profile: Profile, method: str,
 
 def make_plan(profile: Profile, method: str, density: float, planner: str, *,
               exact_fraction: Optional[float] = None,
-              whole_layers: Sequence[int] = ()) -> Plan:
+              whole_layers: Sequence[int] = (), wire_dtype: str = "float32") -> Plan:
   """Runs `planner` on `profile` for `method` and packages the result.
 
   Args:
@@ -236,6 +236,7 @@ def make_plan(profile: Profile, method: str, density: float, planner: str, *,
       the refresh rule is on); None: the fixed schedule's amortised cost.
     whole_layers: LAGS/DLGS: layers (positions in the profile's order) sent
       whole (`MethodCosts.whole_layers`).
+    wire_dtype: the values' dtype on the wire (`MethodCosts.wire_dtype`).
 
   Raises:
     ValueError: for an unknown method or planner, or a bad density.
@@ -247,7 +248,7 @@ def make_plan(profile: Profile, method: str, density: float, planner: str, *,
   if not 0.0 < density <= 1.0:
     raise ValueError(f"density must be in (0, 1], got {density!r}")
   costs = MethodCosts(method, density, exact_fraction=exact_fraction,
-                      whole_layers=frozenset(whole_layers))
+                      whole_layers=frozenset(whole_layers), wire_dtype=wire_dtype)
   groups = PLANNER_FUNCTIONS[planner](profile, costs)
   timeline = simulate(profile, groups, costs)
   return Plan(

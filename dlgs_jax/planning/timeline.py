@@ -181,12 +181,14 @@ class MethodCosts:
       ``min_ndim`` dimensions), so `simulate` leaves them out of their groups'
       sparse messages. LAGS and DLGS (``min_ndim``, ``send_whole``): as every
       value of the layer, in its group's message.
+    wire_dtype: the values' dtype on the wire (`wire.value_scale`).
   """
   method: str
   density: float
   fixed_collectives: int = 0
   exact_fraction: Optional[float] = None
   whole_layers: FrozenSet[int] = frozenset()
+  wire_dtype: str = "float32"
 
   def __post_init__(self):
     if self.method not in MODELLED:
@@ -199,6 +201,8 @@ class MethodCosts:
     if fraction is not None and self.method != "dlgs":
       raise ValueError(f"exact_fraction applies to dlgs only, not {self.method!r}")
     object.__setattr__(self, "whole_layers", frozenset(self.whole_layers))
+    if self.wire_dtype not in wire.WIRE_DTYPES:
+      raise ValueError(f"wire_dtype must be one of {wire.WIRE_DTYPES}, got {self.wire_dtype!r}")
     if self.whole_layers and self.method not in WHOLE_LAYER_METHODS:
       raise ValueError(
           f"whole_layers applies to {WHOLE_LAYER_METHODS} only, not {self.method!r}")
@@ -231,10 +235,11 @@ class MethodCosts:
       raise ValueError(f"{self.method!r} sends no whole layers inside a message")
     if whole > 0:
       k = selection.num_to_keep(self.density, size) if size > 0 else 0
-      return wire.allgather_bytes(k + whole, p)
+      return wire.allgather_bytes(k + whole, p, self.wire_dtype)
     if size <= 0:
       return 0.0
-    return spec.message_bytes(size, selection.num_to_keep(self.density, size), p)
+    return (spec.message_bytes(size, selection.num_to_keep(self.density, size), p)
+            * wire.value_scale(spec.collective, self.wire_dtype))
 
   def comm_time(self, profile: Profile, size: int, whole: int = 0) -> float:
     """Seconds of one message (arguments as `comm_bytes`)."""

@@ -106,4 +106,5 @@ def _plan_here(config: RunConfig, mesh, workers: int, log) -> Optional[planner.P
   shapes = models.leaf_shapes(config.model.name, image_size=config.data.image_size)
   return planner.make_plan(profile, method.name, method.density, config.plan.planner,
                            exact_fraction=fraction,
-                           whole_layers=method.whole_layers(profile.paths, shapes))
+                           whole_layers=method.whole_layers(profile.paths, shapes),
+                           wire_dtype=method.wire_dtype)

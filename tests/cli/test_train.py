@@ -224,10 +224,28 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--bandwidth", "foo"], "--bandwidth 'foo' is invalid: bandwidth must look like"),
     (["--plan", "/nonexistent/plan.json"], "--plan '/nonexistent/plan.json' is invalid: no such"),
     (["--nonfinite-limit", "0"], "--nonfinite-limit 0 is invalid"),
+    (["--wire-dtype", "float16"], "--wire-dtype 'float16' is invalid: choose from"),
+    (["--method", "gtopk", "--wire-dtype", "bfloat16"],
+     "--wire-dtype 'bfloat16' is invalid: applies to dense, topk, lags, dlgs, not gtopk"),
+    (["--collective", "gtopk", "--wire-dtype", "bfloat16"],
+     "--wire-dtype 'bfloat16' is invalid: needs the all-gather"),
 ])
 def test_bad_flags_are_named(flags, message):
   with pytest.raises(SystemExit, match=re.escape(message)):
     train.config_from_args(flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, scale", [("dense", 0.5), ("dlgs", 0.75)])
+def test_bfloat16_on_the_wire_cuts_the_bytes_it_says(tmp_path, method, scale):
+  sent = {}
+  for dtype in ("float32", "bfloat16"):
+    workdir = tmp_path / dtype
+    result = run_cli([*SMALL, "--method", method, "--local-devices", "2", "--steps", "2",
+                      "--wire-dtype", dtype, "--workdir", str(workdir)])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    sent[dtype] = json.loads((workdir / "summary.json").read_text())["bytes_sent_per_step"]
+  assert sent["bfloat16"] == pytest.approx(scale * sent["float32"])
 
 
 @pytest.mark.slow

@@ -620,3 +620,66 @@ def test_nothing_lost_with_bfloat16_parameters(name):
 def test_residual_dtype_must_be_floating():
   with pytest.raises(ValueError, match="residual_dtype must be a floating dtype"):
     dlgs_jax.dlgs(0.1, residual_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, **kw),
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", order=ORDER,
+                               groups=[ORDER[:2], ORDER[2:]], **kw),
+    lambda **kw: dlgs_jax.lags(0.1, axis_name="data", **kw),
+    lambda **kw: dlgs_jax.topk(0.1, axis_name="data", **kw),
+], ids=["dlgs", "dlgs_grouped", "lags", "topk"])
+def test_bfloat16_on_the_wire_loses_nothing_and_sends_six_bytes_a_pair(make):
+  """The rounding to bf16 of every sent value stays in its sender's residual."""
+  rng = np.random.default_rng(3)
+  steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
+  updates, _, states = run_steps(make(wire_dtype="bfloat16"), PARAMS, steps, W)
+  _, _, f32_states = run_steps(make(), PARAMS, steps[:1], W)
+  old = np.zeros_like(flat_workers(steps[0]))
+  for grads, update, state in zip(steps, updates, states):
+    u = flat_workers(update)
+    nonzero = u[0][u[0] != 0] * W
+    # Every value of the mean is a sum of W bf16 values: exact in float32 here.
+    assert np.all(nonzero.astype(jnp.bfloat16).astype(np.float32) != 0)
+    new = flat_workers(state.residuals)
+    owed = (flat_workers(grads) + old).sum(0)
+    np.testing.assert_allclose(W * u[0] + new.sum(0), owed, rtol=1e-6, atol=1e-6)
+    old = new
+  sent16, sent32 = np.asarray(states[0].stats.bytes_sent), np.asarray(f32_states[0].stats.bytes_sent)
+  np.testing.assert_array_equal(sent16 * 8, sent32 * 6)
+
+
+def test_bfloat16_wire_pairs_carry_bfloat16_values():
+  rng = np.random.default_rng(4)
+  steps = [random_grads(PARAMS, W, rng)]
+  (update,), _, _ = run_steps(dlgs_jax.lags(0.2, axis_name="data", wire_dtype="bfloat16"),
+                              PARAMS, steps, W)
+  sent = flat_workers(update)[0] * W
+  # Sums of W bf16 values with 8 significant bits fit in far fewer than float32's 24.
+  assert np.count_nonzero(sent) > 0
+  mantissa = np.frexp(sent[sent != 0])[0] * 2 ** 20
+  assert np.all(mantissa == np.round(mantissa))
+
+
+def test_dense_in_bfloat16_halves_the_bytes():
+  rng = np.random.default_rng(5)
+  steps = [random_grads(PARAMS, W, rng)]
+  u16, _, s16 = run_steps(dlgs_jax.dense(axis_name="data", wire_dtype="bfloat16"), PARAMS,
+                          steps, W)
+  u32, _, s32 = run_steps(dlgs_jax.dense(axis_name="data"), PARAMS, steps, W)
+  np.testing.assert_array_equal(np.asarray(s16[0].stats.bytes_sent) * 2,
+                                np.asarray(s32[0].stats.bytes_sent))
+  np.testing.assert_allclose(flat_workers(u16[0]), flat_workers(u32[0]), rtol=2e-2, atol=1e-2)
+  assert flat_workers(u16[0]).dtype == np.float32  # returned in the gradients' dtype
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: dlgs_jax.dlgs(0.1, wire_dtype="float16"),
+     r"wire_dtype must be one of \('float32', 'bfloat16'\), got 'float16'"),
+    (lambda: dlgs_jax.dense(wire_dtype="int8"), "wire_dtype must be one of"),
+    (lambda: dlgs_jax.lags(0.1, collective="gtopk", wire_dtype="bfloat16"),
+     "wire_dtype 'bfloat16' works with the all-gather, not collective 'gtopk'"),
+])
+def test_bad_wire_dtypes_are_refused(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
