@@ -13,13 +13,31 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from dlgs_jax.compress import collectives, engine, grouping
 
 
+def check_static(name: str, value) -> None:
+  """Refuses an array where a transform needs a Python number at construction.
+
+  ``optax.inject_hyperparams`` turns every numeric argument into an array; the
+  density and the other numbers of these transforms size static buffers and
+  schedules, so the message says how to keep them static or schedule them.
+  """
+  if isinstance(value, (jax.Array, np.ndarray)):  # tracers are jax.Arrays too
+    raise ValueError(
+        f"{name} must be a Python number, got an array ({value!r}): it sizes static buffers "
+        f"when the transform is built. optax.inject_hyperparams turns numeric arguments into "
+        f"arrays: list them in its static_args (for dlgs: 'density', 'reuse_every', "
+        f"'capacity_factor', 'refresh_below', 'min_ndim'); to change the density over "
+        f"training, use dlgs_jax.density_schedule")
+
+
 def check_density(density) -> float:
+  check_static("density", density)
   if (isinstance(density, bool) or not isinstance(density, numbers.Real)
       or not 0.0 < float(density) <= 1.0):
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")

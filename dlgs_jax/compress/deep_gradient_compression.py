@@ -43,9 +43,9 @@ import optax
 from jax import lax
 
 from dlgs_jax.compress import collectives, common
-from dlgs_jax.compress import engine
+from dlgs_jax.compress import engine, grouping
 from dlgs_jax.compress import selection
-from dlgs_jax.compress.state import CommStats, DGCState, empty_stats
+from dlgs_jax.compress.state import DGCState, empty_stats, skipped_stats, step_stats
 
 LOWERING_FACTOR = 0.8
 
@@ -174,7 +174,7 @@ def dgc(
         treedef, [jnp.zeros(x.shape, jnp.float32) for x in leaves])
     key = jax.random.key_data(jax.random.key(seed))
     return DGCState(jnp.zeros((), jnp.int32), zeros, zeros, key,
-                    empty_stats(_num_groups(sparse, dense)))
+                    empty_stats(_group_paths(grouping.leaf_paths(params), sparse, dense)))
 
   def update_fn(updates, state, params=None):
     del params
@@ -260,8 +260,9 @@ def _split(tree, min_ndim: int):
   return leaves, treedef, sparse, dense
 
 
-def _num_groups(sparse, dense) -> int:
-  return len(sparse) + (1 if dense else 0)
+def _group_paths(paths, sparse, dense) -> list[list[str]]:
+  """One message per sparsified leaf, then one fused message of the dense leaves."""
+  return [[paths[i]] for i in sparse] + ([[paths[i] for i in dense]] if dense else [])
 
 
 class _Step:
@@ -342,14 +343,13 @@ class _Step:
       bytes_sent = bytes_sent + sent
       selected.append(size)
       passed.append(size)
-    stats = CommStats(bytes_sent, bytes_sent, jnp.concatenate(selected),
-                      jnp.concatenate(passed), self.state.stats.skipped, jnp.zeros((), jnp.int32))
+    stats = step_stats(self.state.stats, bytes_sent, bytes_sent, jnp.concatenate(selected),
+                       jnp.concatenate(passed))
     return means, common.as_varying((new_u, new_v, stats, self.state.count + 1), s.axis_name)
 
   def skip(self):
     state = self.state
     means = [jnp.zeros(g.shape, jnp.float32) for g in self.grads]
-    stats = empty_stats(_num_groups(self.sparse, self.dense))._replace(
-        skipped=state.stats.skipped + 1)
+    stats = skipped_stats(state.stats)
     return means, common.as_varying(
         (list(self.velocity), list(self.residuals), stats, state.count), self.s.axis_name)

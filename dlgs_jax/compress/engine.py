@@ -44,6 +44,10 @@ class Layout:
   def group_size(self, group: int) -> int:
     return sum(self.sizes[leaf] for leaf in self.groups[group])
 
+  def group_paths(self) -> list[list[str]]:
+    """The leaf paths of each group, in group order (what `CommStats.groups` labels)."""
+    return [[self.paths[leaf] for leaf in group] for group in self.groups]
+
 
 def make_layout(
     tree: Any,

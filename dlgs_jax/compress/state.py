@@ -2,21 +2,56 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
+@jax.tree_util.register_pytree_node_class
+class MessageGroups:
+  """The leaf paths of each message (group) a transform sends: static, no arrays.
+
+  A pytree node without children, so it rides in a state's structure through
+  jit, shard_map and checkpoints, and labels `CommStats.selected` and
+  `CommStats.passed` entry by entry.
+  """
+
+  def __init__(self, groups: Sequence[Sequence[str]] = ()):
+    self.paths = tuple(tuple(group) for group in groups)
+
+  def tree_flatten(self):
+    return (), self.paths
+
+  @classmethod
+  def tree_unflatten(cls, paths, children):
+    del children
+    return cls(paths)
+
+  def __eq__(self, other):
+    return isinstance(other, MessageGroups) and other.paths == self.paths
+
+  def __hash__(self):
+    return hash(self.paths)
+
+  def __len__(self):
+    return len(self.paths)
+
+  def __repr__(self):
+    return f"MessageGroups({[list(g) for g in self.paths]})"
+
+
 class CommStats(NamedTuple):
-  """What one worker communicated in the last step (for logging)."""
-  bytes_sent: jax.Array      # float32[]: bytes this worker put on the wire
-  bytes_received: jax.Array  # float32[]: bytes this worker took off the wire
+  """What one worker communicated: the last step, and a running total."""
+  bytes_sent: jax.Array      # float32[]: bytes this worker put on the wire this step
+  bytes_received: jax.Array  # float32[]: bytes this worker took off the wire this step
   selected: jax.Array        # int32[num_groups]: values this worker sent per group
   passed: jax.Array          # int32[num_groups]: values that met the selection rule (> selected when a buffer overflowed)
   skipped: jax.Array         # int32[]: steps skipped so far because a gradient was not finite
   exact: jax.Array           # int32[]: leaves whose threshold was computed exactly this step (DLGS; 0 for the others)
+  total_sent: Any = None     # uint32[2]: bytes sent since init, (low, high) 32-bit words: `total_bytes`
+  groups: Any = MessageGroups()  # static: the leaf paths of each group (no arrays)
 
 
 class DLGSState(NamedTuple):
@@ -45,15 +80,55 @@ def is_per_worker(node: Any) -> bool:
   return isinstance(node, (DLGSState, SparseState, DenseState, TernGradState, DGCState))
 
 
-def empty_stats(num_groups: int) -> CommStats:
+def empty_stats(groups: Sequence[Sequence[str]]) -> CommStats:
+  """The statistics before the first step, for messages of `groups` (lists of leaf paths)."""
+  groups = MessageGroups(groups)
   return CommStats(
       bytes_sent=jnp.zeros((), jnp.float32),
       bytes_received=jnp.zeros((), jnp.float32),
-      selected=jnp.zeros((num_groups,), jnp.int32),
-      passed=jnp.zeros((num_groups,), jnp.int32),
+      selected=jnp.zeros((len(groups),), jnp.int32),
+      passed=jnp.zeros((len(groups),), jnp.int32),
       skipped=jnp.zeros((), jnp.int32),
       exact=jnp.zeros((), jnp.int32),
+      total_sent=jnp.zeros((2,), jnp.uint32),
+      groups=groups,
   )
+
+
+def step_stats(previous: CommStats, sent, received, selected, passed, exact=None) -> CommStats:
+  """The statistics of a step that communicated, the running total carried on."""
+  return previous._replace(
+      bytes_sent=jnp.asarray(sent, jnp.float32), bytes_received=jnp.asarray(received, jnp.float32),
+      selected=jnp.asarray(selected, jnp.int32), passed=jnp.asarray(passed, jnp.int32),
+      exact=jnp.zeros((), jnp.int32) if exact is None else jnp.asarray(exact, jnp.int32),
+      total_sent=_add_bytes(previous.total_sent, sent))
+
+
+def skipped_stats(previous: CommStats) -> CommStats:
+  """The statistics of a skipped step: nothing sent, one more skip, the total kept."""
+  return empty_stats(previous.groups.paths)._replace(
+      skipped=previous.skipped + 1, total_sent=previous.total_sent)
+
+
+def _add_bytes(total: jax.Array, amount) -> jax.Array:
+  """``total + round(amount)`` on (low, high) uint32 words, exact below 2^64 bytes."""
+  amount = jnp.round(jnp.asarray(amount, jnp.float32))
+  high = jnp.floor(amount / 2.0 ** 32)
+  low = (amount - high * 2.0 ** 32).astype(jnp.uint32)  # exact: float32 integers
+  new_low = total[0] + low
+  carry = (new_low < low).astype(jnp.uint32)
+  return jnp.stack([new_low, total[1] + high.astype(jnp.uint32) + carry])
+
+
+def total_bytes(stats: CommStats):
+  """Bytes sent since init as Python ints: one, or a list per worker with a worker axis.
+
+  Each step adds its ``bytes_sent`` (a float32: exact below 2^24 bytes a step,
+  rounded to float32's 24 significant bits above).
+  """
+  words = np.asarray(stats.total_sent, np.uint64)
+  values = (words[..., 1] << np.uint64(32)) + words[..., 0]
+  return int(values) if values.ndim == 0 else [int(v) for v in values]
 
 
 def comm_stats(opt_state: Any) -> Optional[CommStats]:
@@ -98,7 +173,33 @@ def stats_summary(stats: CommStats) -> dict[str, float]:
       "passed": float(np.mean(np.asarray(stats.passed).sum(axis=-1))),
       "skipped": float(np.max(np.asarray(stats.skipped))),
       "exact": float(np.mean(np.asarray(stats.exact))),
+      "total_sent": float(np.mean(total_bytes(stats))),
   }
+
+
+def comm_report(opt_state: Any) -> dict[str, dict]:
+  """Every transform's statistics as plain Python, groups labelled by their leaf paths.
+
+  Args:
+    opt_state: an optimizer state (host arrays, e.g. from `workload.parallel.fetch`),
+      with or without a leading worker axis on this library's states.
+
+  Returns:
+    ``{state path: {"bytes_sent", "bytes_received", "total_sent", "skipped",
+    "groups": [{"paths", "selected", "passed"}, ...]}}``: per step and total
+    numbers averaged over workers when there is a worker axis.
+  """
+  report = {}
+  for path, stats in comm_stats_by_path(opt_state).items():
+    summary = stats_summary(stats)
+    selected = np.asarray(stats.selected).reshape(-1, len(stats.groups)).mean(0)
+    passed = np.asarray(stats.passed).reshape(-1, len(stats.groups)).mean(0)
+    report[path] = {
+        "bytes_sent": summary["bytes_sent"], "bytes_received": summary["bytes_received"],
+        "total_sent": summary["total_sent"], "skipped": summary["skipped"],
+        "groups": [{"paths": list(paths), "selected": float(s), "passed": float(p)}
+                   for paths, s, p in zip(stats.groups.paths, selected, passed)]}
+  return report
 
 
 class TernGradState(NamedTuple):

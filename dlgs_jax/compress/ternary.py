@@ -22,7 +22,7 @@ from jax import lax
 from dlgs_jax.compress import collectives, common
 from dlgs_jax.compress import engine
 from dlgs_jax.compress import wire
-from dlgs_jax.compress.state import CommStats, TernGradState, empty_stats
+from dlgs_jax.compress.state import TernGradState, empty_stats, skipped_stats, step_stats
 
 
 def pack_ternary(values: jax.Array) -> jax.Array:
@@ -86,7 +86,7 @@ def terngrad(
   def init_fn(params):
     layout = layout_of(params)
     key = jax.random.key_data(jax.random.key(seed))
-    return TernGradState(jnp.zeros((), jnp.int32), key, empty_stats(len(layout.groups)))
+    return TernGradState(jnp.zeros((), jnp.int32), key, empty_stats(layout.group_paths()))
 
   def update_fn(updates, state, params=None):
     if params is not None:
@@ -122,13 +122,12 @@ def terngrad(
         selected.append(jnp.asarray(flat.shape[0], jnp.int32))
         passed.append(jnp.sum(flat != 0, dtype=jnp.int32))
       sent = jnp.asarray(sent_bytes, jnp.float32)
-      stats = CommStats(sent, sent, jnp.stack(selected), jnp.stack(passed), state.stats.skipped,
-                        jnp.zeros((), jnp.int32))
+      stats = step_stats(state.stats, sent, sent, jnp.stack(selected), jnp.stack(passed))
       return means, common.as_varying((stats, state.count + 1), axis_name)
 
     def skip():
       means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
-      stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
+      stats = skipped_stats(state.stats)
       return means, common.as_varying((stats, state.count), axis_name)
 
     means, (stats, count) = common.unless_nonfinite(

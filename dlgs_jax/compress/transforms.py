@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import optax
 
 from dlgs_jax.compress import common, engine
-from dlgs_jax.compress.state import CommStats, DenseState, DLGSState, SparseState, empty_stats
+from dlgs_jax.compress.state import (DenseState, DLGSState, SparseState, empty_stats,
+                                     skipped_stats, step_stats)
 
 
 def _sparse_transform(
@@ -52,7 +53,7 @@ def _sparse_transform(
     single_group: bool,
     reuse_every: Optional[int],
     skip_nonfinite: bool,
-    residual_dtype=jnp.float32,
+    residual_dtype="float32",
     wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Residual + selection + sparse collective; `reuse_every` enables DLGS thresholds."""
@@ -71,7 +72,7 @@ def _sparse_transform(
     residuals = jax.tree_util.tree_map(
         lambda p: jnp.zeros(jnp.shape(p), common.residual_dtype_for(p, residual_dtype)), params)
     count = jnp.zeros((), jnp.int32)
-    stats = empty_stats(len(layout.groups))
+    stats = empty_stats(layout.group_paths())
     if with_thresholds:
       thresholds = jax.tree_util.tree_map(
           lambda _: jnp.zeros((), jnp.float32), params)
@@ -96,12 +97,12 @@ def _sparse_transform(
       means, residuals, selected, passed, sent, received = engine.sparse_exchange(
           layout, select, collective, accumulated, thresholds, axis_name=axis_name,
           packed=packed, wire_dtype=wire_dtype)
-      stats = CommStats(sent, received, selected, passed, state.stats.skipped, exact)
+      stats = step_stats(state.stats, sent, received, selected, passed, exact)
       return means, common.as_varying((residuals, thresholds, stats, state.count + 1), axis_name)
 
     def skip():
       means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
-      stats = empty_stats(len(layout.groups))._replace(skipped=state.stats.skipped + 1)
+      stats = skipped_stats(state.stats)
       return means, common.as_varying(
           (list(old_residuals), old_thresholds, stats, state.count), axis_name)
 
@@ -130,7 +131,7 @@ def dlgs(
     min_ndim: int = 0,
     send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
-    residual_dtype=jnp.float32,
+    residual_dtype="float32",
     wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
@@ -199,6 +200,9 @@ def dlgs(
       does not match the state (at init/update).
   """
   density = common.check_density(density)
+  for name, value in (("reuse_every", reuse_every), ("capacity_factor", capacity_factor),
+                      ("refresh_below", refresh_below), ("min_ndim", min_ndim)):
+    common.check_static(name, value)
   if (isinstance(reuse_every, bool) or not isinstance(reuse_every, numbers.Integral)
       or reuse_every < 1):
     raise ValueError(f"reuse_every must be an integer >= 1, got {reuse_every!r}")
@@ -229,7 +233,7 @@ def lags(
     min_ndim: int = 0,
     send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
-    residual_dtype=jnp.float32,
+    residual_dtype="float32",
     wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
@@ -258,7 +262,7 @@ def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, resi
 
 
 def topk(
-    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype=jnp.float32,
+    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype="float32",
     wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Top-k S-SGD: one global top-k over all leaves, all-gathered (O(kP) traffic).
@@ -271,7 +275,7 @@ def topk(
 
 
 def gtopk(
-    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype=jnp.float32
+    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype="float32"
 ) -> optax.GradientTransformation:
   """gTop-k S-SGD (Shi et al., ICDCS 2019): global top-k of the *sum* over workers.
 
@@ -308,7 +312,7 @@ def dense(
     return engine.make_layout(tree, groups, order)
 
   def init_fn(params):
-    return DenseState(jnp.zeros((), jnp.int32), empty_stats(len(layout_of(params).groups)))
+    return DenseState(jnp.zeros((), jnp.int32), empty_stats(layout_of(params).group_paths()))
 
   def update_fn(updates, state, params=None):
     if params is not None:
@@ -321,14 +325,13 @@ def dense(
       means, sent, received = engine.dense_exchange(layout, grads, axis_name=axis_name,
                                                     wire_dtype=wire_dtype)
       sizes = jnp.asarray([layout.group_size(g) for g in range(num_groups)], jnp.int32)
-      stats = CommStats(sent, received, sizes, sizes, state.stats.skipped,
-                        jnp.zeros((), jnp.int32))
+      stats = step_stats(state.stats, sent, received, sizes, sizes)
       return means, common.as_varying((stats, state.count + 1), axis_name)
 
     def skip():
       means = [jnp.zeros(g.shape, g.dtype if wire_dtype is None else wire_dtype)
                for g in grads]
-      stats = empty_stats(num_groups)._replace(skipped=state.stats.skipped + 1)
+      stats = skipped_stats(state.stats)
       return means, common.as_varying((stats, state.count), axis_name)
 
     means, (stats, count) = common.unless_nonfinite(

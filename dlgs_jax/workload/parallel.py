@@ -114,12 +114,41 @@ def fetch(tree: Any) -> Any:
 
 
 def map_state(per_worker, replicated, opt_state: Any) -> Any:
-  """Applies `per_worker` to the leaves of this library's states, `replicated` to the rest."""
+  """Applies `per_worker` to the leaves of this library's states, `replicated` to the rest.
+
+  Raises:
+    ValueError: when one of this library's states is inside ``optax.MultiSteps``.
+  """
+  check_not_multisteps(opt_state)
+
   def visit(node):
     if is_per_worker(node):
       return jax.tree_util.tree_map(per_worker, node)
     return replicated(node)
   return jax.tree_util.tree_map(visit, opt_state, is_leaf=is_per_worker)
+
+
+def check_not_multisteps(opt_state: Any) -> None:
+  """Refuses this library's transforms inside ``optax.MultiSteps``, saying what to do instead.
+
+  MultiSteps runs the transform it wraps on every micro-step -- its collective
+  included -- and keeps the result of every k-th only: accumulating would not
+  cut traffic, and the statistics would describe the last kept step.
+  """
+  import optax  # pylint: disable=g-import-not-at-top
+
+  wrapped = [node for node in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState))
+             if isinstance(node, optax.MultiStepsState)]
+  for node in wrapped:
+    if any(is_per_worker(x) for x in jax.tree_util.tree_leaves(
+        node.inner_opt_state, is_leaf=is_per_worker)):
+      raise ValueError(
+          "a dlgs_jax transform is inside optax.MultiSteps, which runs it (and its "
+          "collective) on every micro-step and keeps every k-th result: accumulation would "
+          "not cut traffic. Accumulate before the compressor instead: "
+          "dlgs_jax.data_parallel(..., micro_batches=k), or sum the micro-batches' gradients "
+          "in your step and call the transform once")
 
 
 def data_axes(mesh: Mesh, axis_name=None):

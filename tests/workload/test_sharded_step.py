@@ -268,3 +268,14 @@ def test_a_prng_key_in_the_model_state_is_refused():
   state = dp.init(PARAMS)._replace(model_state={"rng": jax.random.key(0)})
   with pytest.raises(ValueError, match=r"PRNG key at \['rng'\].*give data_parallel a seed"):
     dp.step(state, jax.device_put((X, Y), dp.batch_sharding))
+
+
+def test_multisteps_around_a_compressor_is_refused_with_the_way_to_accumulate():
+  tx = optax.MultiSteps(optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.sgd(0.1)), 4)
+  with pytest.raises(ValueError, match="inside optax.MultiSteps.*micro_batches=k"):
+    dlgs_jax.init_per_worker(tx, PARAMS, mesh())
+  with pytest.raises(ValueError, match="inside optax.MultiSteps"):
+    dlgs_jax.data_parallel(squared_error, tx, mesh()).init(PARAMS)
+  # MultiSteps wrapping no compressor (here the optimizer after it) is not refused.
+  after = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.MultiSteps(optax.sgd(0.1), 4))
+  assert dlgs_jax.init_per_worker(after, PARAMS, mesh())[0].residuals["w"].shape == (W, 5, 3)
