@@ -126,6 +126,7 @@ def dgc(
     clip_norm: Optional[float] = None,
     seed: int = 0,
     skip_nonfinite: bool = True,
+    residual_dtype="float32",
 ) -> optax.GradientTransformation:
   """Deep Gradient Compression; see the module docstring for the algorithm.
 
@@ -149,6 +150,8 @@ def dgc(
     seed: PRNG seed for the threshold samples (folded with step and worker).
     skip_nonfinite: skip steps with a non-finite gradient on any worker
       (velocity and residuals kept).
+    residual_dtype: dtype of the velocity and the residuals of floating leaves
+      (float32 whatever the parameters' dtype; the step computes in float32).
 
   Returns:
     An `optax.GradientTransformation` with state `DGCState`; its update is the
@@ -160,6 +163,7 @@ def dgc(
     ValueError: for an argument out of range.
   """
   axis_name = common.check_axis_name(axis_name)
+  residual_dtype = common.check_residual_dtype(residual_dtype)
   lower, upper = _check_args(momentum, sample_ratio, warmup_steps, warmup_stages, max_lowering,
                              min_ndim, band, clip_norm)
   densities, reached, branch_of_stage = _warmup_plan(
@@ -171,7 +175,8 @@ def dgc(
   def init_fn(params):
     leaves, treedef, sparse, dense = _split(params, min_ndim)
     zeros = jax.tree_util.tree_unflatten(
-        treedef, [jnp.zeros(x.shape, jnp.float32) for x in leaves])
+        treedef, [jnp.zeros(x.shape, common.residual_dtype_for(x, residual_dtype))
+                  for x in leaves])
     key = jax.random.key_data(jax.random.key(seed))
     return DGCState(jnp.zeros((), jnp.int32), zeros, zeros, key,
                     empty_stats(_group_paths(grouping.leaf_paths(params), sparse, dense)))
@@ -181,11 +186,13 @@ def dgc(
     common.check_matches(updates, state.velocity, "the optimizer state")
     grads, treedef, sparse, dense = _split(updates, min_ndim)
     grads = [g.astype(jnp.float32) for g in grads]
-    velocity = jax.tree_util.tree_leaves(state.velocity)
-    residuals = jax.tree_util.tree_leaves(state.residuals)
+    kept = [jax.tree_util.tree_leaves(state.velocity), jax.tree_util.tree_leaves(state.residuals)]
+    velocity, residuals = ([x.astype(jnp.float32) for x in tree] for tree in kept)
     step = _Step(settings, state, grads, velocity, residuals, sparse, dense)
     means, (new_u, new_v, stats, count) = common.unless_nonfinite(
         skip_nonfinite, grads, axis_name, step.communicate, step.skip)
+    new_u = [x.astype(old.dtype) for x, old in zip(new_u, kept[0])]
+    new_v = [x.astype(old.dtype) for x, old in zip(new_v, kept[1])]
     original = jax.tree_util.tree_leaves(updates)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
     return (unflatten([m.astype(g.dtype) for m, g in zip(means, original)]),

@@ -106,9 +106,9 @@ def fetch(tree: Any) -> Any:
   def get(x):
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
       return np.asarray(x)
+    if x.sharding.is_fully_replicated:  # scalars included: they have no axis to sort by
+      return np.asarray(x.addressable_shards[0].data)
     shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    if x.sharding.is_fully_replicated:
-      return np.asarray(shards[0].data)
     return np.concatenate([np.asarray(s.data) for s in shards])
   return jax.tree_util.tree_map(get, tree)
 

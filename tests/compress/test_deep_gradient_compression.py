@@ -8,6 +8,7 @@ import pytest
 
 from dlgs_jax.compress import deep_gradient_compression as dgc_lib
 from dlgs_jax.compress import selection
+import dlgs_jax
 from tests.helpers import random_grads, run_steps
 
 # Large enough that thresholds are sampled (> 1024 values), plus dense leaves.
@@ -177,3 +178,18 @@ def test_skip_and_bad_arguments():
                         (dict(clip_norm=0), "clip_norm")):
     with pytest.raises(ValueError, match=match):
       dgc_lib.dgc(0.01, **kwargs)
+
+
+def test_velocity_and_residuals_stay_float32_for_bfloat16_parameters_unless_told():
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+  rng = np.random.default_rng(7)
+  steps = [jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.bfloat16),
+                                  random_grads(PARAMS, W, rng)) for _ in range(2)]
+  for dtype, expected in (("float32", jnp.float32), (jnp.bfloat16, jnp.bfloat16)):
+    tx = dlgs_jax.dgc(0.1, axis_name="data", residual_dtype=dtype)
+    updates, final, _ = run_steps(tx, params, steps, W)
+    for tree in (final.velocity, final.residuals):
+      assert all(x.dtype == expected for x in jax.tree_util.tree_leaves(tree))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(updates[-1]))
+  with pytest.raises(ValueError, match="residual_dtype must be a floating dtype"):
+    dlgs_jax.dgc(0.1, residual_dtype=jnp.int8)
