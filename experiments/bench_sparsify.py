@@ -12,6 +12,10 @@ On the real leaf shapes of ResNet-20, VGG16 (CIFAR) and ResNet-50, at density
 * ``*_update``: the whole transform update on one worker (residual add,
   selection, gather, scatter back, new residual), for context.
 
+Next to the times, what each compiled update is made of on this backend
+(`profiling.programs`): its conditionals (each waits for its predicate on the
+host on GPU), sorts and top-k calls, loops, and kernels launched per step.
+
 Prints a table of medians (ms) and ratios, and writes JSON.
 
     python experiments/bench_sparsify.py [--models vgg16 resnet50] [--repeats 7]
@@ -33,6 +37,7 @@ from dlgs_jax.compress import engine
 from dlgs_jax.workload import models
 from dlgs_jax import profiling
 from dlgs_jax.compress import selection
+from dlgs_jax.profiling import programs
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -100,6 +105,8 @@ def bench_config(name, density, reuse_every, repeats, with_updates):
                        ("topk", dlgs_jax.topk(density))):
       update = jax.jit(tx.update)
       state = tx.init(grads)
+      for key, value in programs.program_counts(tx.update, grads, state).items():
+        row[f"{method}_update_{key}"] = value
 
       # Only DLGS differs from step to step; the others are timed one step at a time.
       steps = reuse_every if method == "dlgs" else 1
@@ -121,6 +128,7 @@ def format_table(rows, with_updates):
             "lags/dlgs", "topk/dlgs"]
   if with_updates:
     header += ["dlgs upd", "lags upd", "topk upd"]
+    header += [f"{m} cond/sort+topk/kernels" for m in ("dlgs", "lags", "topk")]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for r in rows:
     cells = [r["model"], f"{r['density']:g}", f"{r['params'] / 1e6:.2f}M",
@@ -130,6 +138,8 @@ def format_table(rows, with_updates):
     if with_updates:
       cells += [f"{r['dlgs_update_ms']:.1f}", f"{r['lags_update_ms']:.1f}",
                 f"{r['topk_update_ms']:.1f}"]
+      cells += [f"{r[f'{m}_update_conditionals']}/{r[f'{m}_update_sorts'] + r[f'{m}_update_top_k']}"
+                f"/{r[f'{m}_update_kernels']}" for m in ("dlgs", "lags", "topk")]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

@@ -1,0 +1,46 @@
+"""Counting what a compiled program is made of: conditionals, sorts, top-k calls, loops, kernels."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import dlgs_jax
+from dlgs_jax.profiling import programs
+
+X = jnp.linspace(-1.0, 1.0, 4096)
+
+
+def test_each_construct_is_counted_where_it_is():
+  def fn(x, p):
+    sorted_or_doubled = lax.cond(p, lambda: jnp.sort(x), lambda: x * 2)
+    top = lax.top_k(x, 64)[0]
+    looped = lax.fori_loop(0, 3, lambda i, y: y * 1.5 + i, x)
+    return sorted_or_doubled.sum() + top.sum() + looped.sum()
+
+  counts = programs.program_counts(fn, X, True)
+  assert counts["conditionals"] == 1
+  assert counts["sorts"] == 1  # inside a branch: found there
+  assert counts["top_k"] == 1
+  assert counts["loops"] == 1
+  assert counts["kernels"] >= 3
+
+
+def test_a_plain_program_has_no_conditionals_sorts_or_loops():
+  counts = programs.program_counts(lambda x: jnp.exp(x).sum() * 2, X)
+  assert counts == {"conditionals": 0, "sorts": 0, "top_k": 0, "loops": 0,
+                    "kernels": counts["kernels"]}
+  assert counts["kernels"] >= 1
+
+
+def test_dlgs_conditionals_grow_with_its_leaves_and_lags_has_one_top_k_per_leaf():
+  """What bench_sparsify reports for the transforms today (one worker, no collectives)."""
+  def params(leaves):
+    return {f"w{i}": jnp.ones((64, 64)) for i in range(leaves)}
+
+  counts = {}
+  for leaves in (2, 4):
+    tx = dlgs_jax.dlgs(0.01)
+    counts[leaves] = programs.program_counts(tx.update, params(leaves), tx.init(params(leaves)))
+  assert counts[4]["conditionals"] > counts[2]["conditionals"] > 0
+  lags = dlgs_jax.lags(0.01)
+  assert programs.program_counts(lags.update, params(4), lags.init(params(4)))["top_k"] == 4
