@@ -137,6 +137,9 @@ FLAGS = (
          "multi-process: this process's id (or DLGS_PROCESS_ID)", int),
     Flag("--local-devices", "processes", "local_devices",
          "simulated CPU devices in this process (CPU only; or DLGS_LOCAL_DEVICES)", int),
+    Flag("--flat", "processes", "flat", "one data axis over all devices; by default several "
+         "processes of several devices exchange densely inside a process and compress "
+         "between processes", action="store_true"),
     Flag("--workdir", "checkpoint", "workdir", "where the run writes"),
     Flag("--resume", "checkpoint", "resume", "continue from the latest checkpoint in --workdir",
          action="store_true"),

@@ -219,12 +219,18 @@ class EmulatedCluster:
   def coordinator(self, port: Optional[int] = None) -> str:
     return f"{self.addresses[0]}:{port or random.randrange(20000, 60000)}"
 
-  def train(self, train_args: Sequence[str], *, out=None, grace: float = 10.0) -> int:
-    """Runs `dlgs-train` with one process per worker namespace (CPU, gloo)."""
+  def train(self, train_args: Sequence[str], *, local_devices: int = 1, out=None,
+            grace: float = 10.0) -> int:
+    """Runs `dlgs-train` with one process per worker namespace (CPU, gloo).
+
+    With `local_devices` > 1 each namespace is a node of that many CPU devices:
+    the links between namespaces are the shaped network, the devices of one
+    process share memory (the fast link), and the run exchanges in two levels.
+    """
     from dlgs_jax.cluster import launch
 
-    return launch.launch(self.workers, list(train_args), local_devices=1, grace=grace, out=out,
-                         coordinator=self.coordinator(), wrap=self.wrap)
+    return launch.launch(self.workers, list(train_args), local_devices=local_devices,
+                         grace=grace, out=out, coordinator=self.coordinator(), wrap=self.wrap)
 
 
 def cleanup_stale() -> list[str]:
@@ -263,9 +269,13 @@ def main(argv=None) -> int:
   split = argv.index("--") if "--" in argv else len(argv)
   parser = argparse.ArgumentParser(prog="python -m dlgs_jax.cluster",
                                    description=__doc__.splitlines()[0])
-  parser.add_argument("--workers", type=int, default=4)
+  parser.add_argument("--workers", type=int, default=4, help="namespaces (nodes)")
   parser.add_argument("--bandwidth", default="1gbit")
+  parser.add_argument("--local-devices", type=int, default=1,
+                      help="CPU devices of each node's process (> 1: two-level exchange)")
   args = parser.parse_args(argv[:split])
+  if not 1 <= args.local_devices <= 64:
+    parser.error(f"--local-devices must be in [1, 64], got {args.local_devices}")
   from dlgs_jax.planning.network import parse_bandwidth
   try:
     parse_bandwidth(args.bandwidth)
@@ -280,9 +290,10 @@ def main(argv=None) -> int:
     print(f"dlgs_jax.cluster: cannot build an emulated cluster here: {reason}", file=sys.stderr)
     return 2
   with EmulatedCluster(args.workers, args.bandwidth) as cluster:
-    print(f"cluster {cluster.tag}: {args.workers} workers at {args.bandwidth}, "
-          f"addresses {cluster.addresses}", flush=True)
-    return cluster.train(argv[split + 1:])
+    print(f"cluster {cluster.tag}: {args.workers} workers at {args.bandwidth}"
+          + (f", {args.local_devices} devices each" if args.local_devices > 1 else "")
+          + f", addresses {cluster.addresses}", flush=True)
+    return cluster.train(argv[split + 1:], local_devices=args.local_devices)
 
 
 if __name__ == "__main__":

@@ -123,12 +123,16 @@ class ProcessConfig:
     num_processes: process count.
     process_id: this process's id.
     local_devices: simulated CPU devices in this process (CPU only).
+    flat: one data axis over every device. By default several processes
+      (nodes) of several devices each run the two-level exchange: dense inside
+      a process, the method between processes (`compress.hierarchical`).
   """
   workers: Optional[int] = None
   coordinator: Optional[str] = None
   num_processes: Optional[int] = None
   process_id: Optional[int] = None
   local_devices: Optional[int] = None
+  flat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

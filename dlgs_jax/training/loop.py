@@ -128,7 +128,15 @@ def _log_start(run: Run) -> None:
 
   config = run.config
   num_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(run.state.params))
-  run.dense_bytes = wire.allreduce_bytes(num_params, run.workers)
+  if len(run.mesh.axis_names) == 2:
+    # Two levels: bytes_sent counts a device's traffic between nodes, on its 1/L slice;
+    # the dense figure is the same all-reduce's (Horovod's hierarchical one).
+    nodes, local = run.mesh.devices.shape
+    run.dense_bytes = wire.allreduce_bytes(-(-num_params // local), nodes)
+    run.log(f"two-level exchange: {nodes} nodes x {local} devices, dense inside a node, "
+            f"{config.method.name} between nodes on 1/{local} of the values per device")
+  else:
+    run.dense_bytes = wire.allreduce_bytes(num_params, run.workers)
   density = config.method.effective_density()
   run.log(f"{config.model.name} ({num_params:,} parameters), {run.dataset_name} "
           f"({len(run.train_set.labels):,} train / {len(run.test_set.labels):,} test), "

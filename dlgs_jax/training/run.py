@@ -98,10 +98,20 @@ def _mesh_and_data(config: RunConfig):
   except ValueError as e:
     raise RunError(f"data: {e}") from None
   try:
-    mesh = parallel.data_mesh(config.processes.workers)
+    mesh = (parallel.node_mesh() if two_level_exchange(config)
+            else parallel.data_mesh(config.processes.workers))
   except ValueError as e:
     raise RunError(f"--workers: {e}") from None
   return train_set, test_set, dataset_name, pad, mesh
+
+
+def two_level_exchange(config: RunConfig) -> bool:
+  """Whether the run exchanges in two levels: several processes of several devices, all used."""
+  import jax
+
+  processes, local = jax.process_count(), jax.local_device_count()
+  every_device = config.processes.workers in (None, processes * local)
+  return not config.processes.flat and processes > 1 and local > 1 and every_device
 
 
 def build_run(config: RunConfig) -> Run:
@@ -112,10 +122,14 @@ def build_run(config: RunConfig) -> Run:
 
   from dlgs_jax import training
   from dlgs_jax.compress import grouping
-  from dlgs_jax.workload import data, losses, models
+  from dlgs_jax.workload import data, losses, models, parallel
 
   train_set, test_set, dataset_name, pad, mesh = _mesh_and_data(config)
-  axis, workers = mesh.axis_names[0], int(mesh.devices.size)
+  two_level = len(mesh.axis_names) == 2
+  axis, workers = parallel.data_axes(mesh), int(mesh.devices.size)
+  if two_level and (config.plan.planner != "none" or config.plan.plan):
+    raise RunError("the two-level exchange (several processes of several devices) plans no "
+                   "layer merging yet: give --planner none without --plan, or --flat")
   model, _ = models.create_model(config.model.name, num_classes=train_set.num_classes,
                                  bn_axis_name=axis if config.model.sync_bn else None)
   try:
@@ -139,7 +153,8 @@ def build_run(config: RunConfig) -> Run:
   warmup = dgc_warmup_steps(config, spe, total_steps)
   tx = build_optimizer(config.method, config.optimizer, axis_name=axis, schedule=schedule,
                        groups=plan.groups if plan is not None else None, order=order,
-                       seed=config.seed, warmup_steps=warmup)
+                       seed=config.seed, warmup_steps=warmup,
+                       fast_size=mesh.shape["local"] if two_level else None)
   return Run(
       config=config, workdir=Path(config.checkpoint.workdir), train_set=train_set,
       test_set=test_set, dataset_name=dataset_name, mesh=mesh, workers=workers,
@@ -160,6 +175,8 @@ def run_identity(run: Run) -> dict:
   identity = config.identity()
   identity.update({
       "workers": run.workers,
+      "exchange": ("two-level {}x{}".format(*run.mesh.devices.shape)
+                   if len(run.mesh.axis_names) == 2 else "flat"),
       "send_whole": method.whole_paths(run.order) if method.spec.layer_wise else None,
       "dgc_warmup_steps": run.warmup if method.spec.holds_momentum else None,
       "plan_id": (hashlib.sha256(json.dumps(plan.groups).encode()).hexdigest()[:16]

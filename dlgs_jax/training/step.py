@@ -110,7 +110,7 @@ def make_fingerprint_fn(mesh: Mesh) -> Callable:
   copies that drifted apart -- on any device of any process -- give different
   rows. Cheap: two reductions per leaf.
   """
-  axis = mesh.axis_names[0]
+  axis = parallel.data_axes(mesh)
 
   def local(params, batch_stats):
     total = jnp.zeros((2,), jnp.uint32)

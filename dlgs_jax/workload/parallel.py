@@ -34,6 +34,24 @@ def data_mesh(num_workers: Optional[int] = None, axis_name: str = "data") -> Mes
   return Mesh(np.asarray(devices[:num_workers]), (axis_name,))
 
 
+def node_mesh(axis_names=("node", "local")) -> Mesh:
+  """A 2-D mesh: one row per process (node), its devices along the second axis.
+
+  Raises:
+    ValueError: when processes hold different numbers of devices.
+  """
+  by_process: dict[int, list] = {}
+  for device in jax.devices():
+    by_process.setdefault(device.process_index, []).append(device)
+  counts = {len(devices) for devices in by_process.values()}
+  if len(counts) != 1:
+    raise ValueError(f"processes hold different numbers of devices "
+                     f"({ {p: len(d) for p, d in sorted(by_process.items())} }); a node mesh "
+                     f"needs the same number in each")
+  rows = [by_process[p] for p in sorted(by_process)]
+  return Mesh(np.asarray(rows), tuple(axis_names))
+
+
 def per_worker_sharding(mesh: Mesh) -> NamedSharding:
   """A leading worker axis split over all of the mesh's axes."""
   return NamedSharding(mesh, PartitionSpec(data_axes(mesh)))

@@ -85,6 +85,37 @@ def test_two_processes_stop_and_resume_bit_identical(tmp_path, method):
   assert len(losses(tmp_path / "parts")) == 6
 
 
+def test_processes_of_several_devices_exchange_in_two_levels_and_resume_bit_identical(tmp_path):
+  """2 processes x 2 devices: dense inside a process, DLGS between them; per-slice
+  residuals checkpointed and resumed exactly; a resume that would go flat is refused."""
+  args = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05", "--density", "0.05",
+          "--steps", "6", "--check-every", "2"]
+
+  def launch(*extra):
+    return [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--local-devices", "2",
+            "--", *args, *extra]
+
+  first, = run_group([(launch("--workdir", str(tmp_path / "parts"), "--stop-after", "3"),
+                       child_env())], timeout=600)
+  assert "two-level exchange: 2 nodes x 2 devices" in first
+  assert "stopped by --stop-after after 3 steps at step 3 of 6" in first
+  whole, rest = run_group([
+      (launch("--workdir", str(tmp_path / "whole")), child_env()),
+      (launch("--workdir", str(tmp_path / "parts"), "--resume"), child_env())], timeout=600)
+  whole = shas(whole, 2)
+  assert "resumed from step 3" in rest
+  assert shas(rest, 2) == whole and len(set(whole.values())) == 1
+  flat = subprocess.run(launch("--workdir", str(tmp_path / "parts"), "--resume", "--flat"),
+                        env=child_env(), capture_output=True, text=True, timeout=600)
+  assert flat.returncode != 0
+  assert "exchange: checkpoint 'two-level 2x2', this run 'flat'" in flat.stdout, flat.stdout[-3000:]
+  planned = subprocess.run(launch("--workdir", str(tmp_path / "planned"), "--planner", "optimal"),
+                           env=child_env(), capture_output=True, text=True, timeout=600)
+  assert planned.returncode != 0
+  assert "the two-level exchange (several processes of several devices) plans no layer merging" \
+      in planned.stdout, planned.stdout[-3000:]
+
+
 def test_a_failing_process_stops_the_others(tmp_path):
   module = tmp_path / "flaky_worker.py"
   module.write_text(

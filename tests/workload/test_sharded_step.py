@@ -279,3 +279,11 @@ def test_multisteps_around_a_compressor_is_refused_with_the_way_to_accumulate():
   # MultiSteps wrapping no compressor (here the optimizer after it) is not refused.
   after = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.MultiSteps(optax.sgd(0.1), 4))
   assert dlgs_jax.init_per_worker(after, PARAMS, mesh())[0].residuals["w"].shape == (W, 5, 3)
+
+
+def test_a_node_mesh_puts_each_process_on_a_row():
+  node = parallel.node_mesh()
+  assert node.axis_names == ("node", "local")
+  assert node.devices.shape == (jax.process_count(), jax.local_device_count())
+  assert parallel.data_axes(node) == ("node", "local")
+  assert parallel.data_axes(mesh()) == "data"
