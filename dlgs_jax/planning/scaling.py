@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 from dlgs_jax.compress import methods
 from dlgs_jax.planning import planner
 from dlgs_jax.planning import network
-from dlgs_jax.planning.timeline import METHODS, MethodCosts, Profile, simulate
+from dlgs_jax.planning.timeline import METHODS, LinearCost, MethodCosts, Profile, simulate
 
 # How each method groups its layers when it runs (the registry's `grouping`).
 METHOD_PLANNERS = {name: methods.METHODS[name].grouping for name in METHODS}
@@ -108,3 +108,85 @@ def predict(profile: Profile, *, workers: Sequence[int], bandwidths: Sequence[fl
 def _simulate(profile: Profile, costs: MethodCosts):
   groups = planner.PLANNER_FUNCTIONS[METHOD_PLANNERS[costs.method]](profile, costs)
   return groups, simulate(profile, groups, costs)
+
+
+# What `predict_nodes` compares: (label, method, two-level, wire dtype).
+NODE_CONFIGS = (
+    ("dense flat", "dense", False, "float32"),
+    ("dense two-level", "dense", True, "float32"),
+    ("dense two-level bf16", "dense", True, "bfloat16"),
+    ("dlgs flat", "dlgs", False, "float32"),
+    ("dlgs two-level", "dlgs", True, "float32"),
+    ("gtopk flat", "gtopk", False, "float32"),
+)
+
+
+def predict_nodes(profile: Profile, *, nodes: Sequence[int], local: int,
+                  bandwidths: Sequence[float], fast_bandwidth: float, density: float,
+                  latency: float = 25e-6, fast_latency: float = 5e-6) -> list[Prediction]:
+  """Predicts flat and two-level exchanges on N nodes of L devices each.
+
+  The L devices of a node share its network link. Flat: one ring all-reduce
+  or all-gather over all N·L workers, nodes contiguous on the ring, so one
+  edge per node crosses the network and carries a worker's whole traffic at
+  the link's bandwidth -- every worker's message among it; gTop-k's pairwise
+  rounds send from all L devices of a node at once (1/L of the link each).
+  Two-level (`compress.hierarchical`): a dense reduce-scatter and all-gather
+  inside the node on the fast link (`fast_bandwidth` bytes/s, `fast_latency`
+  per ring step), and the method between the N nodes on each device's 1/L
+  slice, planned per slice, the L slices sharing the link (1/L each). Weak
+  scaling, as `predict`.
+
+  Args:
+    profile: a measured profile (its compute and selection costs are used).
+    nodes: node counts N (each >= 2).
+    local: devices per node L (>= 2).
+    bandwidths: link bandwidths between nodes, bits per second.
+    fast_bandwidth: bytes per second on the fast link inside a node.
+    density: the sparse methods' density.
+    latency, fast_latency: per-step latencies of the two links, seconds.
+
+  Returns:
+    One `Prediction` per (bandwidth, N, configuration of `NODE_CONFIGS`); its
+    ``method`` is the configuration's label, ``workers`` is N·L, ``bytes_sent``
+    a device's bytes between nodes per iteration, and ``speedup_vs_dense`` is
+    against "dense flat".
+
+  Raises:
+    ValueError: for N < 2, L < 2, or a bad bandwidth or density.
+  """
+  if not isinstance(local, int) or local < 2:
+    raise ValueError(f"local (devices per node) must be an integer >= 2, got {local!r}")
+  if any(not isinstance(n, int) or n < 2 for n in nodes):
+    raise ValueError(f"node counts must be integers >= 2, got {list(nodes)!r}")
+  if not fast_bandwidth > 0:
+    raise ValueError(f"fast_bandwidth must be > 0 bytes/s, got {fast_bandwidth!r}")
+  if not 0.0 < density <= 1.0:
+    raise ValueError(f"density must be in (0, 1], got {density!r}")
+  fast = LinearCost(2 * (local - 1) * fast_latency, 1.0 / fast_bandwidth)
+  out = []
+  for bits in bandwidths:
+    for n in nodes:
+      flat = dict(network.network_comm(n * local, bits, latency))
+      flat["gtopk"] = network.network_comm(n * local, bits / local, latency)["gtopk"]
+      nets = {False: profile.with_comm(flat, n * local,
+                                       f"modelled flat {n}x{local} at {bits / 1e9:g} Gb/s"),
+              True: profile.with_comm(network.network_comm(n, bits / local, latency), n,
+                                      f"modelled {n} nodes x {local} at {bits / 1e9:g} Gb/s")}
+      rows = [_node_row(profile, nets[two], label, method, two, dtype, density, local, fast)
+              for label, method, two, dtype in NODE_CONFIGS]
+      reference = rows[0].t_iter
+      out.extend(dataclasses.replace(r, workers=n * local, bandwidth_bits=float(bits),
+                                     speedup_vs_dense=reference / r.t_iter) for r in rows)
+  return out
+
+
+def _node_row(profile, net, label, method, two, dtype, density, local, fast) -> Prediction:
+  costs = MethodCosts(method, 1.0 if method == "dense" else density, wire_dtype=dtype,
+                      fast_size=local if two else 1, fast_link=fast if two else None)
+  groups, tl = _simulate(net, costs)
+  sent = sum(costs.comm_bytes(net, sum(net.sizes[i] for i in g)) for g in groups)
+  return Prediction(model=profile.model, method=label, density=density, workers=0,
+                    bandwidth_bits=0.0, t_iter=tl.t_iter, compute=tl.compute,
+                    sparsify=tl.sparsify, comm_exposed=tl.comm_exposed, comm_total=tl.comm,
+                    groups=len(groups), bytes_sent=float(sent), speedup_vs_dense=1.0)

@@ -182,6 +182,12 @@ class MethodCosts:
       sparse messages. LAGS and DLGS (``min_ndim``, ``send_whole``): as every
       value of the layer, in its group's message.
     wire_dtype: the values' dtype on the wire (`wire.value_scale`).
+    fast_size: L > 1 prices the two-level exchange (`compress.hierarchical`):
+      the profile's network and workers are then those between nodes, each
+      message is selected and sent on its 1/L slice, and the dense
+      reduce-scatter and all-gather of the whole message inside the node cost
+      `fast_link` on the ring's bytes.
+    fast_link: α-β cost of bytes on the fast link inside a node (with `fast_size`).
   """
   method: str
   density: float
@@ -189,6 +195,8 @@ class MethodCosts:
   exact_fraction: Optional[float] = None
   whole_layers: FrozenSet[int] = frozenset()
   wire_dtype: str = "float32"
+  fast_size: int = 1
+  fast_link: Optional[LinearCost] = None
 
   def __post_init__(self):
     if self.method not in MODELLED:
@@ -203,11 +211,20 @@ class MethodCosts:
     object.__setattr__(self, "whole_layers", frozenset(self.whole_layers))
     if self.wire_dtype not in wire.WIRE_DTYPES:
       raise ValueError(f"wire_dtype must be one of {wire.WIRE_DTYPES}, got {self.wire_dtype!r}")
+    if not isinstance(self.fast_size, int) or self.fast_size < 1:
+      raise ValueError(f"fast_size must be an integer >= 1, got {self.fast_size!r}")
+    if self.fast_size > 1 and self.fast_link is None:
+      raise ValueError("a two-level exchange (fast_size > 1) needs its fast_link cost")
     if self.whole_layers and self.method not in WHOLE_LAYER_METHODS:
       raise ValueError(
           f"whole_layers applies to {WHOLE_LAYER_METHODS} only, not {self.method!r}")
 
+  def sliced(self, size: int) -> int:
+    """Values of a message of `size` one device handles: all, or its 1/L slice."""
+    return -(-size // self.fast_size) if size > 0 else 0
+
   def sparsify_time(self, profile: Profile, size: int) -> float:
+    size = self.sliced(size)
     if size <= 0:
       return 0.0
     if self.method == "dlgs" and self.exact_fraction is not None:
@@ -231,6 +248,7 @@ class MethodCosts:
     """
     p = profile.workers
     spec = methods.METHODS[self.method]
+    size, whole = self.sliced(size), self.sliced(whole)
     if whole and not spec.layer_wise:
       raise ValueError(f"{self.method!r} sends no whole layers inside a message")
     if whole > 0:
@@ -243,10 +261,14 @@ class MethodCosts:
 
   def comm_time(self, profile: Profile, size: int, whole: int = 0) -> float:
     """Seconds of one message (arguments as `comm_bytes`)."""
-    if profile.workers <= 1 or size + whole <= 0:
+    if size + whole <= 0:
       return 0.0
+    fast = (self.fast_link(wire.allreduce_bytes(size + whole, self.fast_size))
+            if self.fast_size > 1 else 0.0)
+    if profile.workers <= 1:
+      return fast
     kind = methods.METHODS[self.method].collective
-    return _collective(profile, kind)(self.comm_bytes(profile, size, whole))
+    return fast + _collective(profile, kind)(self.comm_bytes(profile, size, whole))
 
   def in_message(self, layer: int) -> bool:
     """Whether `layer` is sent whole inside its group's message (LAGS/DLGS)."""

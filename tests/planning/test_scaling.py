@@ -105,3 +105,40 @@ def test_cli_writes_table_json_and_plot(tmp_path):
   assert data["measured"]["toy"]["source"] == "hand-made"
   png = (tmp_path / "out" / "scaling_density0.01.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_level_costs_price_a_slice_between_nodes_and_the_whole_inside():
+  fast = LinearCost(1e-6, 1e-11)
+  costs = MethodCosts("dlgs", 0.01, fast_size=4, fast_link=fast)
+  net = small_profile().with_comm(network.network_comm(3, 1e9, 1e-5), 3, "nodes")
+  size = 1_000_001
+  part = -(-size // 4)
+  assert costs.comm_bytes(net, size) == wire.allgather_bytes(
+      selection.num_to_keep(0.01, part), 3)
+  slow = net.comm["allgather"](costs.comm_bytes(net, size))
+  assert costs.comm_time(net, size) == pytest.approx(slow + fast(wire.allreduce_bytes(size, 4)))
+  assert costs.sparsify_time(net, size) == net.sparsify["dlgs"](part)
+  with pytest.raises(ValueError, match="needs its fast_link"):
+    MethodCosts("dlgs", 0.01, fast_size=4)
+
+
+def test_node_predictions_compare_flat_and_two_level_exchanges():
+  profile = small_profile()
+  n_values = sum(profile.sizes)
+  preds = {(p.workers, p.method): p for p in scaling.predict_nodes(
+      profile, nodes=[2, 4], local=4, bandwidths=[10e9], fast_bandwidth=300e9, density=0.01)}
+  assert {m for _, m in preds} == {label for label, *_ in scaling.NODE_CONFIGS}
+  for nodes in (2, 4):
+    p = nodes * 4
+    assert preds[p, "dense flat"].bytes_sent == pytest.approx(wire.allreduce_bytes(n_values, p))
+    assert preds[p, "dense flat"].speedup_vs_dense == 1.0
+    # The slices of every group add up to about 1/L of the values (each group rounds up).
+    two = preds[p, "dense two-level"].bytes_sent
+    assert wire.allreduce_bytes(n_values / 4, nodes) <= two
+    assert two <= wire.allreduce_bytes(n_values / 4 + 6, nodes)
+    assert preds[p, "dense two-level bf16"].bytes_sent == pytest.approx(two / 2, rel=1e-3)
+    # Each node sends one sparse message, not L: about L times fewer bytes between nodes.
+    assert preds[p, "dlgs two-level"].bytes_sent < preds[p, "dlgs flat"].bytes_sent / 3
+  with pytest.raises(ValueError, match="local .devices per node. must be an integer >= 2"):
+    scaling.predict_nodes(profile, nodes=[2], local=1, bandwidths=[1e9], fast_bandwidth=1e9,
+                          density=0.01)

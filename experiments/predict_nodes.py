@@ -1,0 +1,102 @@
+"""Predicted iteration time on N nodes of L GPUs: flat against two-level exchanges.
+
+Measured: each profile's forward, per-layer backward and selection times (the H100
+profiles by default; see each profile's `source`). Predicted: everything that
+involves a link -- the network between nodes (α-β, shared by a node's L GPUs), the
+fast link inside a node -- and the iteration times that follow from the timeline
+model (`dlgs_jax.planning.scaling.predict_nodes` says how each exchange is priced).
+
+    python experiments/predict_nodes.py
+    python experiments/predict_nodes.py --local 4 --fast-bandwidth 64GB --bandwidths 25gbit
+
+Writes a JSON of every prediction, a markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from predict_scaling import DEFAULT_PROFILES, plot  # noqa: E402
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--profiles", nargs="+", default=[str(p) for p in DEFAULT_PROFILES[1:]],
+                      help="measured profile JSON files (default: VGG16 and ResNet-50, H100)")
+  parser.add_argument("--nodes", default="2,4,8,16", help="comma-separated node counts N")
+  parser.add_argument("--local", type=int, default=8, help="GPUs per node L")
+  parser.add_argument("--bandwidths", default="10gbit,25gbit,100gbit",
+                      help="comma-separated bandwidths between nodes")
+  parser.add_argument("--fast-bandwidth", type=float, default=300e9,
+                      help="bytes/s per GPU on the link inside a node (300e9: NVLink-class)")
+  parser.add_argument("--density", type=float, default=0.01)
+  parser.add_argument("--latency", type=float, default=25e-6, help="network step latency, s")
+  parser.add_argument("--fast-latency", type=float, default=5e-6, help="fast-link step latency, s")
+  parser.add_argument("--out-dir", default=str(HERE / "results" / "nodes"))
+  return parser.parse_args(argv)
+
+
+def markdown(predictions, labels, local: int) -> str:
+  rows = {}
+  for p in predictions:
+    rows.setdefault((p.model, p.bandwidth_bits, p.workers), {})[p.method] = p
+  head = ("| model | link | nodes x GPUs | "
+          + " | ".join(f"{label} ms (speedup)" for label in labels) + " | best |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  for (model, bits, workers), by_label in rows.items():
+    cells = [f"{by_label[x].t_iter * 1e3:.1f} ({by_label[x].speedup_vs_dense:.2f}x)"
+             for x in labels]
+    best = min(by_label.values(), key=lambda x: x.t_iter).method
+    lines.append(f"| {model} | {bits / 1e9:g} Gb/s | {workers // local} x {local} | "
+                 + " | ".join(cells) + f" | {best} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from dlgs_jax.planning import network, scaling
+  from dlgs_jax.planning.timeline import Profile
+
+  nodes = [int(n) for n in args.nodes.split(",")]
+  bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
+  out_dir = Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  predictions, measured = [], {}
+  for path in args.profiles:
+    profile = Profile.load(path)
+    measured[profile.model] = {"file": str(path), "source": profile.source,
+                               "t_forward": profile.t_forward,
+                               "t_backward": sum(profile.t_backward)}
+    predictions += scaling.predict_nodes(
+        profile, nodes=nodes, local=args.local, bandwidths=bandwidths,
+        fast_bandwidth=args.fast_bandwidth, density=args.density, latency=args.latency,
+        fast_latency=args.fast_latency)
+  labels = [label for label, *_ in scaling.NODE_CONFIGS]
+  print("Measured (per GPU):")
+  for model, m in measured.items():
+    print(f"  {model}: forward {m['t_forward'] * 1e3:.2f} ms, backward "
+          f"{m['t_backward'] * 1e3:.2f} ms; {m['source']}")
+  print(f"Predicted: both links and the iteration times; {args.local} GPUs per node, fast "
+        f"link {args.fast_bandwidth / 1e9:g} GB/s, density {args.density:g}.\n")
+  table = markdown(predictions, labels, args.local)
+  print(table)
+  stem = f"nodes_local{args.local}_density{args.density:g}"
+  (out_dir / f"{stem}.json").write_text(json.dumps({
+      "command": " ".join(["python", "experiments/predict_nodes.py"] + sys.argv[1:]),
+      "measured": measured, "local": args.local, "fast_bandwidth": args.fast_bandwidth,
+      "latency": args.latency, "fast_latency": args.fast_latency, "density": args.density,
+      "predictions": [p.to_dict() for p in predictions]}, indent=1))
+  (out_dir / f"{stem}.md").write_text(table + "\n")
+  plot(predictions, labels, out_dir / f"{stem}.png", args.density)
+  print(f"\nwrote {out_dir / stem}.json, .md, .png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
