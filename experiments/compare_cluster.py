@@ -45,7 +45,10 @@ def parse_args(argv=None):
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--methods", default="dense,topk,gtopk,dlgs,dlgs-paper",
                       help="comma-separated; the first is the reference of the speedups")
-  parser.add_argument("--workers", type=int, default=4)
+  parser.add_argument("--workers", type=int, default=4, help="namespaces (nodes)")
+  parser.add_argument("--local-devices", type=int, default=1,
+                      help="CPU devices per node; METHOD@2l names then run the two-level "
+                      "exchange, plain names one flat axis over every device")
   parser.add_argument("--bandwidth", default="1gbit")
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--image-size", type=int)
@@ -150,8 +153,9 @@ def markdown(payload) -> str:
   predicted = bool(payload.get("predicted"))
   lines = [f"| method | grouping | median step ms | round medians ms (min-max) | speedup vs "
            f"{methods[0]} (median, min-max over rounds) | rounds faster than {methods[0]} "
-           "| sign test p | MB sent/worker |" + (" predicted ms | error |" if predicted else ""),
-           "|---|---|---|---|---|---|---|---|" + ("---|---|" if predicted else "")]
+           "| sign test p | MB sent/worker | MB/step leaving a node: model / interface counters |"
+           + (" predicted ms | error |" if predicted else ""),
+           "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if predicted else "")]
   for r in summarize(payload):
     model = ""
     if predicted:
@@ -166,7 +170,8 @@ def markdown(payload) -> str:
         f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
         f"{'-' if reference else r['faster_than_reference']} / {rounds} | "
         f"{'-' if reference else format(r['p_value'], '.2g')} | "
-        f"{r['bytes_sent'] / 1e6:.2f} |" + model)
+        f"{r['bytes_sent'] / 1e6:.2f} | {_node_bytes(payload['methods'][r['method']])} |"
+        + model)
   table = wins(payload)
   lines += ["", f"Rounds (of {rounds}) in which the row's method had the shorter median step "
             "than the column's:", "",
@@ -175,6 +180,13 @@ def markdown(payload) -> str:
     lines.append(f"| {a} | " + " | ".join("-" if a == b else str(table[a][b])
                                            for b in methods) + " |")
   return "\n".join(lines)
+
+
+def _node_bytes(m) -> str:
+  if "interface_bytes_per_process" not in m:
+    return "-"
+  return (f"{m['model_bytes_per_process'] / 1e6:.2f} / "
+          f"{m['interface_bytes_per_process'] / 1e6:.2f}")
 
 
 def plot(payload, path) -> None:
@@ -206,6 +218,7 @@ def main(argv=None) -> int:
   from dlgs_jax.planning.planner import Plan
   from dlgs_jax.planning.timeline import Profile
   from dlgs_jax.compress.methods import METHODS, base_method
+  from dlgs_jax.training.benchmark import exchange_of
 
   if args.measure_profile and not args.profile:
     raise SystemExit("--measure-profile writes the profile to --profile: give its path")
@@ -227,7 +240,7 @@ def main(argv=None) -> int:
   if args.plan_dir:
     for name in methods:
       path = Path(args.plan_dir) / f"plan_{args.model}_{name}_{args.density:g}.json"
-      if path.exists() and METHODS[base_method(name)].takes_groups:
+      if path.exists() and METHODS[base_method(exchange_of(name)[0])].takes_groups:
         plans[name] = path
   netns.exit_if_unavailable()
   out = Path(args.out_dir)
@@ -248,7 +261,8 @@ def main(argv=None) -> int:
   with netns.EmulatedCluster(args.workers, args.bandwidth) as c:
     def bench(extra, what):
       status = launch.launch(args.workers, extra, grace=5, module="dlgs_jax.cli.benchmark",
-                             coordinator=c.coordinator(), wrap=c.wrap)
+                             coordinator=c.coordinator(), wrap=c.wrap,
+                             local_devices=args.local_devices)
       if status != 0:
         print(f"{what} failed with status {status}", file=sys.stderr)
       return status

@@ -102,7 +102,7 @@ class BenchmarkConfig:
     names = list(self.compare)
     if len(set(names)) != len(names) or "" in names:
       raise ValueError(f"--compare needs distinct method names, got {','.join(names)!r}")
-    unknown = [name for name in names if not known(name)]
+    unknown = [name for name in names if not known(exchange_of(name)[0])]
     if unknown:
       raise ValueError(f"--compare: unknown methods {unknown} (methods: {', '.join(METHODS)}, "
                        "or a variant such as dlgs-paper)")
@@ -114,17 +114,31 @@ class BenchmarkConfig:
     stray = sorted(set(self.plans) - set(names))
     if stray:
       raise ValueError(f"--plans names methods not in --compare: {stray}")
-    fixed = sorted(n for n in self.plans if not METHODS[base_method(n)].takes_groups)
+    fixed = sorted(n for n in self.plans
+                   if not METHODS[base_method(exchange_of(n)[0])].takes_groups)
     if fixed:
       raise ValueError(f"--plans: {fixed} send a fixed message layout and take no plan")
 
   def compared_method(self, name: str) -> MethodConfig:
     """The checked config of method or variant `name` in a `compare` run."""
+    name = exchange_of(name)[0]
     shared = dataclasses.asdict(self.method)
     shared.pop("name")
     if not METHODS[base_method(name)].layer_wise:
       shared.pop("min_ndim"), shared.pop("send_whole")
     return method_config(name, **shared).validate()
+
+
+# A compared method's name with this suffix runs the two-level exchange
+# (`compress.hierarchical`) on a (node, local) mesh: "dlgs@2l".
+TWO_LEVEL = "@2l"
+
+
+def exchange_of(name: str) -> tuple[str, bool]:
+  """(method or variant name, whether it runs in two levels) of a compared name."""
+  if name.endswith(TWO_LEVEL):
+    return name[:-len(TWO_LEVEL)], True
+  return name, False
 
 
 def time_repetitions(run, repetitions: int, barrier) -> list[float]:
@@ -207,15 +221,17 @@ def write_result(result: dict, path: Optional[str]) -> None:
       json.dump(result, f, indent=1)
 
 
-def optimizer_for(method: MethodConfig, axis_name, groups, order):
+def optimizer_for(method: MethodConfig, axis_name, groups, order, fast_size=None):
   """Training's optimizer chain for `method`, at training's learning rate.
 
   How fast gradients drift decides how often DLGS must recompute a reused
-  threshold, so the benchmark trains at the rate training uses.
+  threshold, so the benchmark trains at the rate training uses. `fast_size`:
+  devices per node of a two-level exchange (`axis_name` is then the pair of
+  axes).
   """
   optimizer = OptimizerConfig()
   return build_optimizer(method, optimizer, axis_name=axis_name, schedule=optimizer.lr,
-                         groups=groups, order=order)
+                         groups=groups, order=order, fast_size=fast_size)
 
 
 def compare_groups(config: BenchmarkConfig, name: str, work: Workload):
@@ -223,12 +239,13 @@ def compare_groups(config: BenchmarkConfig, name: str, work: Workload):
   from dlgs_jax.compress import grouping
   from dlgs_jax.planning import planner
 
+  base = exchange_of(name)[0]
   if name in config.plans:
     plan = planner.Plan.load(config.plans[name])
     plan.check_compatible(paths=grouping.leaf_paths(work.variables["params"]),
                           workers=work.workers)
     return plan.groups, f"plan {os.path.basename(config.plans[name])}"
-  if METHODS[base_method(name)].grouping == "optimal":
+  if METHODS[base_method(base)].grouping == "optimal":
     # What the optimal planner chooses where collectives do not overlap computation.
     return [list(work.order)], "one message"
   return None, "the method's own"

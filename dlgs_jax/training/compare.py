@@ -8,23 +8,58 @@ jobs minutes apart do not.
 
 from __future__ import annotations
 
-from dlgs_jax.training.benchmark import (BenchmarkConfig, compare_groups, optimizer_for,
-                                         time_repetitions, workload, write_result)
+from pathlib import Path
+
+from dlgs_jax.training.benchmark import (BenchmarkConfig, compare_groups, exchange_of,
+                                         optimizer_for, time_repetitions, workload, write_result)
 
 
 def _prepare(config: BenchmarkConfig, work) -> dict:
-  """name -> the method's train state, step function and bookkeeping."""
+  """name -> the method's train state, step function, batches and bookkeeping.
+
+  A name ending in ``@2l`` runs the two-level exchange on a (node, local) mesh of
+  the same devices, each process a node; its batches are the same rows placed
+  on that mesh.
+  """
   from dlgs_jax import training
 
-  runs = {}
+  runs, nodes = {}, None
   for name in config.compare:
     groups, description = compare_groups(config, name, work)
-    tx = optimizer_for(config.compared_method(name), "data", groups, work.order)
-    runs[name] = {"state": training.train_state_from_variables(work.variables, tx, work.mesh),
-                  "step": training.make_train_step(work.model, tx, work.mesh, augment=False),
-                  "turn": 0, "exact": [], "grouping": description,
-                  "groups": len(groups) if groups else None}
+    mesh, axis, fast, batches = work.mesh, "data", None, work.global_batches
+    if exchange_of(name)[1]:
+      nodes = nodes or _node_workload(work)
+      mesh, batches = nodes
+      axis, fast = tuple(mesh.axis_names), mesh.shape["local"]
+    tx = optimizer_for(config.compared_method(name), axis, groups, work.order, fast)
+    runs[name] = {"state": training.train_state_from_variables(work.variables, tx, mesh),
+                  "step": training.make_train_step(work.model, tx, mesh, augment=False),
+                  "batches": batches, "turn": 0, "exact": [], "grouping": description,
+                  "groups": len(groups) if groups else None,
+                  "local": mesh.shape["local"] if fast else 1}
   return runs
+
+
+def _node_workload(work):
+  """(node mesh, the workload's batches on it): this process's rows, in its devices' order."""
+  from dlgs_jax.workload import parallel
+
+  mesh = parallel.node_mesh()
+  if mesh.devices.size != work.workers:
+    raise ValueError(f"a two-level method needs every device: the compare mesh has "
+                     f"{work.workers} of {mesh.devices.size}")
+  return mesh, [parallel.shard_batch((work.images[i], work.labels[i]), mesh)
+                for i in range(len(work.global_batches))]
+
+
+def sent_on_interfaces() -> int:
+  """Bytes this process's network namespace has sent, loopback excepted (the NICs' counters)."""
+  total = 0
+  for device in Path("/sys/class/net").iterdir():
+    counter = device / "statistics" / "tx_bytes"
+    if device.name != "lo" and counter.exists():
+      total += int(counter.read_text())
+  return total
 
 
 def _one_step(run: dict, global_batches: list):
@@ -36,7 +71,7 @@ def _one_step(run: dict, global_batches: list):
   return metrics
 
 
-def _rounds(config: BenchmarkConfig, runs: dict, global_batches: list) -> tuple[dict, list]:
+def _rounds(config: BenchmarkConfig, runs: dict) -> tuple[dict, list]:
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
@@ -44,7 +79,7 @@ def _rounds(config: BenchmarkConfig, runs: dict, global_batches: list) -> tuple[
   methods = list(config.compare)
   for name in methods:
     for _ in range(config.warmup):
-      jax.block_until_ready(_one_step(runs[name], global_batches))
+      jax.block_until_ready(_one_step(runs[name], runs[name]["batches"]))
     runs[name]["exact"].clear()
   raw = {name: [] for name in methods}
   orders = []
@@ -53,8 +88,10 @@ def _rounds(config: BenchmarkConfig, runs: dict, global_batches: list) -> tuple[
     # Rotated, so no method always runs first, right after the warm-ups.
     orders.append([methods[(r + j) % len(methods)] for j in range(len(methods))])
     for name in orders[-1]:
-      raw[name].append(time_repetitions(lambda: _one_step(runs[name], global_batches),
+      before = sent_on_interfaces()
+      raw[name].append(time_repetitions(lambda: _one_step(runs[name], runs[name]["batches"]),
                                         config.steps, barrier))
+      runs[name].setdefault("sent", []).append((sent_on_interfaces() - before) / config.steps)
     if jax.process_index() == 0:
       print(f"round {r + 1}/{config.rounds}: " + ", ".join(
           f"{name} {np.median(raw[name][-1]) * 1e3:.1f}" for name in methods) + " ms",
@@ -70,9 +107,15 @@ def compare(config: BenchmarkConfig, mesh) -> dict:
   import dlgs_jax
   from dlgs_jax.workload import parallel
 
+  from jax.experimental import multihost_utils
+
   work = workload(config, mesh)
   runs = _prepare(config, work)
-  raw, orders = _rounds(config, runs, work.global_batches)
+  raw, orders = _rounds(config, runs)
+  # Every process's interface counts (rounds x processes), gathered for process 0.
+  sent = {name: np.asarray(multihost_utils.process_allgather(
+      np.asarray(runs[name]["sent"], np.float64))).reshape(jax.process_count(), -1)
+      for name in config.compare}
   result = {"model": config.model, "density": config.method.density, "workers": work.workers,
             "batch_size": config.batch_size, "image_shape": list(work.shape),
             "rounds": config.rounds, "steps": config.steps, "warmup": config.warmup,
@@ -86,6 +129,11 @@ def compare(config: BenchmarkConfig, mesh) -> dict:
         "median": float(np.median(np.concatenate(raw[name]))),
         "round_medians": [float(np.median(t)) for t in raw[name]],
         "raw": raw[name], "bytes_sent": stats["bytes_sent"],
+        # What this process's devices put on the wire by the model, and what left
+        # its network namespace by the interfaces' counters (median over rounds, mean
+        # over processes); metrics and barriers count in the second only.
+        "model_bytes_per_process": stats["bytes_sent"] * run["local"],
+        "interface_bytes_per_process": float(np.mean(np.median(sent[name], axis=1))),
         "exact_leaves": float(np.mean(exact)) if exact else None}
   if jax.process_index() == 0:
     for name in config.compare:
