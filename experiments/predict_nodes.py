@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from predict_scaling import DEFAULT_PROFILES, plot  # noqa: E402
+from predict_scaling import DEFAULT_PROFILES, load_profiles, plot  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,18 +61,14 @@ def markdown(predictions, labels, local: int) -> str:
 def main(argv=None) -> int:
   args = parse_args(argv)
   from dlgs_jax.planning import network, scaling
-  from dlgs_jax.planning.timeline import Profile
 
   nodes = [int(n) for n in args.nodes.split(",")]
   bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  predictions, measured = [], {}
-  for path in args.profiles:
-    profile = Profile.load(path)
-    measured[profile.model] = {"file": str(path), "source": profile.source,
-                               "t_forward": profile.t_forward,
-                               "t_backward": sum(profile.t_backward)}
+  profiles, measured = load_profiles(args.profiles)
+  predictions = []
+  for profile in profiles:
     predictions += scaling.predict_nodes(
         profile, nodes=nodes, local=args.local, bandwidths=bandwidths,
         fast_bandwidth=args.fast_bandwidth, density=args.density, latency=args.latency,

@@ -85,22 +85,33 @@ def plot(predictions, methods, path, density):
   plt.close(fig)
 
 
+def load_profiles(paths):
+  """(profiles, what was measured in each: file, source, forward and backward seconds)."""
+  from dlgs_jax.planning.timeline import Profile
+
+  profiles, measured = [], {}
+  for path in paths:
+    profile = Profile.load(path)
+    profiles.append(profile)
+    measured[profile.model] = {"file": str(path), "source": profile.source,
+                               "t_forward": profile.t_forward,
+                               "t_backward": sum(profile.t_backward)}
+  return profiles, measured
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   from dlgs_jax.planning import network
   from dlgs_jax.planning import scaling
-  from dlgs_jax.planning.timeline import METHODS, Profile
+  from dlgs_jax.planning.timeline import METHODS
 
   workers = [int(w) for w in args.workers.split(",")]
   bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  predictions, sources = [], {}
-  for path in args.profiles:
-    profile = Profile.load(path)
-    sources[profile.model] = {"file": str(path), "source": profile.source,
-                              "t_forward": profile.t_forward,
-                              "t_backward": sum(profile.t_backward)}
+  profiles, sources = load_profiles(args.profiles)
+  predictions = []
+  for profile in profiles:
     predictions += scaling.predict(profile, workers=workers, bandwidths=bandwidths,
                                    density=args.density, latency=args.latency)
   print("Measured (per worker):")

@@ -68,6 +68,15 @@ def test_two_processes_stop_and_resume_bit_identical(tmp_path, method):
   def launch(*extra):
     return [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--", *args, *extra]
 
+  stop_and_resume(launch, tmp_path)
+  assert len(losses(tmp_path / "parts")) == 6
+
+
+def stop_and_resume(launch, tmp_path) -> str:
+  """Runs 3 of 6 steps, then the whole run and the resumed rest; checks they end alike.
+
+  Returns the first part's output.
+  """
   # The persistent compilation cache serves only process 0 (JAX writes no entry
   # from another process), so every launch's process 1 compiles the train step
   # again while process 0 waits on one core. The first part runs alone (both
@@ -82,7 +91,7 @@ def test_two_processes_stop_and_resume_bit_identical(tmp_path, method):
   whole = shas(whole, 2)
   assert "resumed from step 3" in rest
   assert shas(rest, 2) == whole and len(set(whole.values())) == 1
-  assert len(losses(tmp_path / "parts")) == 6
+  return first
 
 
 def test_processes_of_several_devices_exchange_in_two_levels_and_resume_bit_identical(tmp_path):
@@ -95,16 +104,7 @@ def test_processes_of_several_devices_exchange_in_two_levels_and_resume_bit_iden
     return [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--local-devices", "2",
             "--", *args, *extra]
 
-  first, = run_group([(launch("--workdir", str(tmp_path / "parts"), "--stop-after", "3"),
-                       child_env())], timeout=600)
-  assert "two-level exchange: 2 nodes x 2 devices" in first
-  assert "stopped by --stop-after after 3 steps at step 3 of 6" in first
-  whole, rest = run_group([
-      (launch("--workdir", str(tmp_path / "whole")), child_env()),
-      (launch("--workdir", str(tmp_path / "parts"), "--resume"), child_env())], timeout=600)
-  whole = shas(whole, 2)
-  assert "resumed from step 3" in rest
-  assert shas(rest, 2) == whole and len(set(whole.values())) == 1
+  assert "two-level exchange: 2 nodes x 2 devices" in stop_and_resume(launch, tmp_path)
   flat = subprocess.run(launch("--workdir", str(tmp_path / "parts"), "--resume", "--flat"),
                         env=child_env(), capture_output=True, text=True, timeout=600)
   assert flat.returncode != 0

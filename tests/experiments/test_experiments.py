@@ -376,11 +376,15 @@ def test_compare_cluster_pairs_each_round_with_the_reference(tmp_path):
   assert (rows["dlgs"]["round_min"], rows["dlgs"]["round_max"]) == (0.080, 0.130)
   wins = compare.wins(payload)
   assert wins["dlgs"] == {"dense": 3, "topk": 3} and wins["topk"] == {"dense": 2, "dlgs": 0}
+  # Bytes that left a node: the model's figure and the interfaces' counters.
+  payload["methods"]["topk"].update(model_bytes_per_process=1.0e5,
+                                    interface_bytes_per_process=1.1e5)
   lines = compare.markdown(payload).splitlines()
   cells = [c.strip() for c in lines[3].strip("|").split("|")]
   # Two rounds faster, one slower: a split that even as a coin gives with p = 1.
   assert cells == ["topk", "one message (1 group)", "105.0", "95.0-140.0", "1.05x (0.95-1.07)",
-                   "2 / 3", "1", "0.10"]
+                   "2 / 3", "1", "0.10", "0.10 / 0.11"]
+  assert lines[2].endswith("| 0.10 | - |")  # dense: measured without the counters
   assert rows["dlgs"]["p_value"] == pytest.approx(0.25)  # 3 of 3: 2 * 1/8
   assert compare.sign_test(9, 1) == pytest.approx(2 * 11 / 1024)
   assert compare.sign_test(0, 0) == 1.0

@@ -142,3 +142,19 @@ def test_node_predictions_compare_flat_and_two_level_exchanges():
   with pytest.raises(ValueError, match="local .devices per node. must be an integer >= 2"):
     scaling.predict_nodes(profile, nodes=[2], local=1, bandwidths=[1e9], fast_bandwidth=1e9,
                           density=0.01)
+
+
+def test_node_cli_writes_table_json_and_plot(tmp_path):
+  profile_path = tmp_path / "toy.json"
+  small_profile().save(profile_path)
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "predict_nodes.py"), "--profiles",
+       str(profile_path), "--nodes", "2,4", "--local", "4", "--bandwidths", "10gbit",
+       "--out-dir", str(tmp_path / "out")],
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert "Measured (per GPU)" in result.stdout and "| toy | 10 Gb/s | 4 x 4 |" in result.stdout
+  data = json.loads((tmp_path / "out" / "nodes_local4_density0.01.json").read_text())
+  assert len(data["predictions"]) == 2 * len(scaling.NODE_CONFIGS)
+  assert data["measured"]["toy"]["source"] == "hand-made"
+  assert (tmp_path / "out" / "nodes_local4_density0.01.png").read_bytes()[:4] == b"\x89PNG"
