@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dlgs_jax.compress import wire
+
 AxisName = Union[Hashable, Sequence[Hashable], None]
 
 
@@ -89,20 +91,6 @@ def _unpack_half(message: jax.Array) -> tuple[jax.Array, jax.Array]:
   return values, lax.bitcast_convert_type(halves, jnp.int32)
 
 
-WIRE_DTYPES = ("float32", "bfloat16")  # as `wire.WIRE_DTYPES`
-
-
-def check_wire_dtype(dtype) -> str:
-  """The name of a value dtype a sparse message may carry: float32 or bfloat16."""
-  try:
-    name = jnp.dtype(dtype).name
-  except TypeError:
-    name = None
-  if name not in WIRE_DTYPES:
-    raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {dtype!r}")
-  return name
-
-
 def sparse_allgather_mean(
     values: jax.Array, indices: jax.Array, size: int, *, axis_name: AxisName,
     wire_dtype: str = "float32"
@@ -163,7 +151,7 @@ def sparse_allgather_means(
   if sum(slots) != values.shape[0] or values.shape != indices.shape:
     raise ValueError(f"segments of {slots} slots do not cut a buffer of "
                      f"{values.shape[0]} values and {indices.shape[0]} indices")
-  half = check_wire_dtype(wire_dtype) == "bfloat16"
+  half = wire.check_wire_dtype(wire_dtype) == "bfloat16"
   if half:
     values = values.astype(jnp.bfloat16)
   if axis_name is None:

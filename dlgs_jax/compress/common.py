@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from dlgs_jax.compress import collectives, engine, grouping
+from dlgs_jax.compress import engine, grouping, wire
 
 
 def check_static(name: str, value) -> None:
@@ -51,14 +51,9 @@ def check_collective(collective) -> str:
   return collective
 
 
-def check_wire_dtype(dtype) -> str:
-  """"float32" or "bfloat16" (a dtype or its name), else a ValueError naming it."""
-  return collectives.check_wire_dtype(dtype)
-
-
 def check_sparse_wire(dtype, collective: str) -> str:
   """A sparse message's value dtype; bfloat16 only for the all-gather."""
-  dtype = check_wire_dtype(dtype)
+  dtype = wire.check_wire_dtype(dtype)
   if dtype == "bfloat16" and collective != "allgather":
     raise ValueError(f"wire_dtype 'bfloat16' works with the all-gather, not collective "
                      f"{collective!r}: gTop-k's all-reduce sums on the wire, and the rounding "

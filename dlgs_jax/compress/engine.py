@@ -8,9 +8,8 @@ flat leaf lists; `transforms.py` wraps them into optax transformations.
 
 from __future__ import annotations
 
-import itertools
-
 import dataclasses
+import itertools
 import math
 from typing import Any, Optional, Sequence
 

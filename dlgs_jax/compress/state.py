@@ -139,14 +139,9 @@ def comm_stats(opt_state: Any) -> Optional[CommStats]:
       transforms, possibly wrapped (chain, MultiSteps, ...).
 
   Returns:
-    The first `CommStats` found, or ``None``.
+    The first `CommStats` found (`comm_stats_by_path` gives them all), or ``None``.
   """
-  found = jax.tree_util.tree_leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, CommStats))
-  for leaf in found:
-    if isinstance(leaf, CommStats):
-      return leaf
-  return None
+  return next(iter(comm_stats_by_path(opt_state).values()), None)
 
 
 def comm_stats_by_path(opt_state: Any) -> dict[str, CommStats]:

@@ -14,7 +14,7 @@ optax optimizer placed after it::
 The state of each sparse transform holds error-feedback residuals shaped like
 the parameters. It is per worker: outside `shard_map` it has a leading worker
 axis sharded over the data axes (`dlgs_jax.init_per_worker`), dropped inside
-(`dlgs_jax.squeeze`). Gradients must be each worker's own: with the checks on,
+(`dlgs_jax.squeeze_state`). Gradients must be each worker's own: with the checks on,
 gradients or a state typed replicated are refused (`common.check_per_worker`);
 `dlgs_jax.data_parallel` builds a whole step that gets this right.
 
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dlgs_jax.compress import common, engine
+from dlgs_jax.compress import common, engine, wire
 from dlgs_jax.compress.state import (DenseState, DLGSState, SparseState, empty_stats,
                                      skipped_stats, step_stats)
 
@@ -305,7 +305,7 @@ def dense(
   """
   axis_name = common.check_axis_name(axis_name)
   if wire_dtype is not None:
-    wire_dtype = common.check_wire_dtype(wire_dtype)
+    wire_dtype = wire.check_wire_dtype(wire_dtype)
   groups, order = common.check_groups(groups, order)
 
   def layout_of(tree):

@@ -19,6 +19,17 @@ HALF_PAIR_BYTES = 6  # bfloat16 value + int32 index (``wire_dtype="bfloat16"``)
 WIRE_DTYPES = ("float32", "bfloat16")
 
 
+def check_wire_dtype(dtype) -> str:
+  """The name of a value dtype a message may carry: float32 or bfloat16."""
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in WIRE_DTYPES:
+    raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {dtype!r}")
+  return name
+
+
 def value_scale(collective: str, wire_dtype: str = "float32") -> float:
   """Bytes of a message with `wire_dtype` values over those of its float32 form."""
   if wire_dtype == "float32":

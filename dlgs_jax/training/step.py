@@ -41,14 +41,8 @@ def train_state_from_variables(variables: dict, tx: optax.GradientTransformation
   Returns:
     The `TrainState` at step 0.
   """
-  params = variables["params"]
-  batch_stats = variables.get("batch_stats", {})
-  return TrainState(
-      params=parallel.replicate(params, mesh),
-      batch_stats=parallel.replicate(batch_stats, mesh),
-      opt_state=parallel.place_state(tx.init(params), mesh),
-      step=parallel.replicate(np.zeros((), np.int32), mesh),
-  )
+  return TrainState(*sharded_step.initial_state(tx, variables["params"],
+                                                 variables.get("batch_stats", {}), mesh))
 
 
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample: np.ndarray,

@@ -194,15 +194,8 @@ def state_specs(opt_state: Any, axis_name) -> Any:
 
 def place_state(opt_state: Any, mesh: Mesh) -> Any:
   """Places one worker's optimizer state on `mesh`: per-worker parts stacked, the rest replicated."""
-  workers = mesh.devices.size
-
-  def stacked(x):
-    x = np.asarray(x)
-    shape = (workers,) + x.shape
-    return jax.make_array_from_callback(
-        shape, per_worker_sharding(mesh), lambda index: np.broadcast_to(x, shape)[index])
-
-  return map_state(stacked, lambda node: replicate(node, mesh), opt_state)
+  return map_state(lambda x: stack_per_worker(x, mesh), lambda node: replicate(node, mesh),
+                   opt_state)
 
 
 def init_per_worker(tx, params: Any, mesh: Mesh) -> Any:
@@ -216,9 +209,9 @@ def init_per_worker(tx, params: Any, mesh: Mesh) -> Any:
 
 def squeeze_state(opt_state: Any) -> Any:
   """Inside shard_map: drops the worker axis of the per-worker parts of an optimizer state."""
-  return map_state(lambda x: x[0], lambda node: node, opt_state)
+  return map_state(squeeze, lambda node: node, opt_state)
 
 
 def unsqueeze_state(opt_state: Any) -> Any:
   """Inside shard_map: restores the worker axis `squeeze_state` dropped."""
-  return map_state(lambda x: jnp.expand_dims(x, 0), lambda node: node, opt_state)
+  return map_state(unsqueeze, lambda node: node, opt_state)

@@ -104,11 +104,7 @@ def data_parallel(
   loss = _Loss(loss_fn, model_state, has_aux, seed)
 
   def init(params, state=None) -> StepState:
-    opt_state = tx.init(params)
-    return StepState(parallel.replicate(params, mesh),
-                     parallel.replicate({} if state is None else state, mesh),
-                     parallel.place_state(opt_state, mesh),
-                     parallel.replicate(np.zeros((), np.int32), mesh))
+    return initial_state(tx, params, state, mesh)
 
   def local_step(state: StepState, batch):
     key = None
@@ -140,6 +136,22 @@ def data_parallel(
 
   return DataParallel(init, step, axis_name,
                       jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)))
+
+
+def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh
+                  ) -> StepState:
+  """The `StepState` at step 0 on `mesh`: `tx`'s state placed per worker where it is one.
+
+  Args:
+    tx: the optimizer.
+    params: the parameters, the same in every process.
+    model_state: mutable model state, or None for none.
+    mesh: the device mesh.
+  """
+  return StepState(parallel.replicate(params, mesh),
+                   parallel.replicate({} if model_state is None else model_state, mesh),
+                   parallel.place_state(tx.init(params), mesh),
+                   parallel.replicate(np.zeros((), np.int32), mesh))
 
 
 class _Loss:
