@@ -24,6 +24,7 @@ Prints a table of medians (ms) and ratios, and writes JSON.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 from pathlib import Path
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dlgs_jax
-from dlgs_jax.compress import engine
+from dlgs_jax.compress import engine, grouping
 from dlgs_jax.workload import models
 from dlgs_jax import profiling
 from dlgs_jax.compress import selection
@@ -45,20 +46,17 @@ def median_ms(fn, repeats: int) -> float:
   return profiling.median_seconds(fn, repeats) * 1e3
 
 
-def make_selectors(params, density, reuse_every):
-  layout = engine.make_layout(params, None, None)
+def make_selectors(params, density, reuse_every, single, candidates):
+  layout = engine.make_layout(params, None, None, single_group=single)
   sizes = layout.sizes
-  select = engine.Selection("threshold", density, refresh_below=0.5)
+  select = engine.Selection("threshold", density, refresh_below=0.5, candidates=candidates)
   ks = [select.leaf_k(layout, leaf) for leaf in range(len(sizes))]
-  caps = [select.leaf_capacity(layout, leaf) for leaf in range(len(sizes))]
 
   @jax.jit
   def dlgs_step(leaves, thresholds, count):
-    thresholds, packed, _ = engine.step_thresholds(
+    thresholds, chosen, _ = engine.select_threshold(
         select, layout, leaves, thresholds, count % reuse_every == 0)
-    picked = [selection.indices_from_words(w, n, c)[0]
-              for w, n, c in zip(packed, sizes, caps)]
-    return picked, thresholds
+    return [indices for indices, _ in chosen], thresholds
 
   @jax.jit
   def lags_step(leaves):
@@ -73,14 +71,15 @@ def make_selectors(params, density, reuse_every):
   return dlgs_step, lags_step, topk_step
 
 
-def bench_config(name, density, reuse_every, repeats, with_updates):
+def bench_config(name, density, reuse_every, repeats, with_updates, single, candidates):
   params = models.param_shapes(name)
   rng = np.random.default_rng(0)
   grads = jax.tree_util.tree_map(
       lambda s: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32)), params)
   leaves = jax.tree_util.tree_leaves(grads)
   sizes = [int(g.size) for g in leaves]
-  dlgs_step, lags_step, topk_step = make_selectors(params, density, reuse_every)
+  dlgs_step, lags_step, topk_step = make_selectors(params, density, reuse_every, single,
+                                                   candidates)
   thresholds = [jnp.zeros((), jnp.float32) for _ in leaves]
   _, thresholds = dlgs_step(leaves, thresholds, jnp.int32(0))
 
@@ -92,6 +91,7 @@ def bench_config(name, density, reuse_every, repeats, with_updates):
 
   row = {
       "model": name, "density": density, "reuse_every": reuse_every,
+      "grouping": "single" if single else "leaf", "candidates": candidates,
       "params": sum(sizes), "leaves": len(sizes),
       "dlgs_ms": median_ms(dlgs_cycle, repeats) / reuse_every,
       "dlgs_exact_step_ms": median_ms(lambda: dlgs_step(leaves, thresholds, jnp.int32(0)), repeats),
@@ -100,8 +100,10 @@ def bench_config(name, density, reuse_every, repeats, with_updates):
       "topk_ms": median_ms(lambda: topk_step(leaves), repeats),
   }
   if with_updates:
-    for method, tx in (("dlgs", dlgs_jax.dlgs(density, reuse_every=reuse_every)),
-                       ("lags", dlgs_jax.lags(density)),
+    groups = [grouping.leaf_paths(params)] if single else None
+    for method, tx in (("dlgs", dlgs_jax.dlgs(density, reuse_every=reuse_every, groups=groups,
+                                              candidates=candidates)),
+                       ("lags", dlgs_jax.lags(density, groups=groups)),
                        ("topk", dlgs_jax.topk(density))):
       update = jax.jit(tx.update)
       state = tx.init(grads)
@@ -151,6 +153,12 @@ def main(argv=None):
   parser.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.01])
   parser.add_argument("--reuse-every", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--grouping", choices=["single", "leaf"], default="single",
+                      help="DLGS and LAGS send every leaf in one message (single; the "
+                      "selection runs as one batched pass) or one message per leaf")
+  parser.add_argument("--candidates", type=int,
+                      default=inspect.signature(dlgs_jax.dlgs).parameters["candidates"].default,
+                      help="DLGS's candidate thresholds per reuse step (default: dlgs's)")
   parser.add_argument("--no-updates", action="store_true",
                       help="skip timing the whole transform updates")
   parser.add_argument("--out", default="experiments/results/bench_sparsify.json")
@@ -158,7 +166,8 @@ def main(argv=None):
   rows = []
   for name in args.models:
     for density in args.densities:
-      row = bench_config(name, density, args.reuse_every, args.repeats, not args.no_updates)
+      row = bench_config(name, density, args.reuse_every, args.repeats, not args.no_updates,
+                         args.grouping == "single", args.candidates)
       rows.append(row)
       print(f"{name} density {density:g}: dlgs {row['dlgs_ms']:.2f} ms, lags "
             f"{row['lags_ms']:.2f} ms, topk {row['topk_ms']:.2f} ms", flush=True)

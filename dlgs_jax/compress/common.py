@@ -32,7 +32,7 @@ def check_static(name: str, value) -> None:
         f"{name} must be a Python number, got an array ({value!r}): it sizes static buffers "
         f"when the transform is built. optax.inject_hyperparams turns numeric arguments into "
         f"arrays: list them in its static_args (for dlgs: 'density', 'reuse_every', "
-        f"'capacity_factor', 'refresh_below', 'min_ndim'); to change the density over "
+        f"'capacity_factor', 'refresh_below', 'candidates', 'min_ndim'); to change the density over "
         f"training, use dlgs_jax.density_schedule")
 
 

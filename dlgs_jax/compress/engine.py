@@ -20,6 +20,7 @@ from jax import lax
 
 from dlgs_jax.compress import collectives
 from dlgs_jax.compress import grouping
+from dlgs_jax.compress import segmented
 from dlgs_jax.compress import selection
 from dlgs_jax.compress import wire
 
@@ -106,6 +107,9 @@ class Selection:
   # Per-leaf kinds only: leaves with these paths (e.g. the classifier head) are
   # sent whole, inside the same message.
   whole_paths: frozenset = frozenset()
+  # "threshold" with refresh_below only: thresholds tried per leaf on a reuse
+  # step, multiples of the reused one (`candidate_factors`); 1: the refresh rule.
+  candidates: int = 1
 
   def sent_whole(self, layout: Layout, leaf: int) -> bool:
     return self.kind != "group_topk" and (
@@ -161,59 +165,134 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
   return out
 
 
+def lay_out_by_default() -> bool:
+  """Whether selection lays every leaf out in one buffer on this backend (`segmented.Values`).
+
+  On accelerators one pass over one buffer replaces a few kernels per leaf; on
+  CPU, where launches cost nothing, passes over the leaves as they are avoid
+  writing a copy of the model that XLA:CPU allocates afresh every step.
+  """
+  return jax.default_backend() != "cpu"
+
+
+def candidate_factors(candidates: int) -> np.ndarray:
+  """Multipliers of a reused threshold tried on a reuse step: ``2^(j/4)``, two thirds below 1.
+
+  Below, because right after an exact step the values sent leave the residual
+  and the old threshold passes too few values (ResNet-20, density 0.1: 38% of k).
+  """
+  below = (2 * (candidates - 1) + 2) // 3
+  return (2.0 ** (np.arange(-below, candidates - below) / 4)).astype(np.float32)
+
+
+# Counting candidates on every stride-th value keeps about this many values of
+# a leaf near k_l in the count: a relative error of ~3%, against the ~19% step
+# between candidates.
+_COUNTED_NEAR_K = 1024
+_MAX_COUNT_STRIDE = 16
+
+
 def step_thresholds(
-    select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
-    previous: Sequence[jax.Array], recompute: jax.Array,
-) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
-  """H_l per leaf: the exact k_l-th largest |g_l| when `recompute`, else `previous`.
+    select: Selection, layout: Layout, leaves: Sequence[int], values: segmented.Values,
+    previous: jax.Array, recompute: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """H_l of a group's leaves for this step, all of them at once.
 
-  With ``select.refresh_below`` set, a leaf whose reused threshold would pass
-  fewer than ``refresh_below * k_l`` values, or more than its buffer holds,
-  gets its exact threshold this step too. A stale threshold otherwise sends
-  far fewer values than the density asks for (measured: 38% of k on average
-  over ResNet-20's first epochs at ``reuse_every=10``), or fills the buffer in
-  flat index order. The count comes from the packed passing mask
-  (`selection.pack_passing`), which the selection then uses as it is when the
-  threshold is kept: one pass over the leaf serves both.
+  The exact k_l-th largest ``|g_l|`` (`segmented.exact_thresholds`) when
+  `recompute`; otherwise the reused thresholds, adapted when
+  ``select.refresh_below`` is set: each leaf counts how many values pass at
+  ``select.candidates`` multiples of its threshold (`candidate_factors`, on a
+  sample of the large leaves) and takes the one closest to k_l that fits its
+  buffer. When a leaf's chosen threshold passes fewer than
+  ``refresh_below * k_l`` values or more than its buffer holds, every leaf of
+  the group gets its exact threshold this step: one conditional per group
+  (a group's message waits for its own gradients only). With one candidate
+  this is the refresh rule; without ``refresh_below`` the paper's fixed
+  schedule.
 
-  One `lax.cond` per leaf rather than one around all leaves: on CPU a single
-  conditional over every gradient copies its operands, which costs more than
-  the reuse step it guards.
+  Args:
+    select: the "threshold" selection.
+    layout: the static layout.
+    leaves: the group's leaf indices, L of them.
+    values: g = residual + gradient of those leaves.
+    previous: float32 [L], their thresholds of the last step.
+    recompute: bool scalar, the schedule's exact step.
 
   Returns:
-    ``(thresholds, packed, exact)``: float32 scalars per leaf; the packed
-    passing mask of each leaf's final threshold (for `sparse_exchange`); and
-    the int32 number of leaves whose threshold was computed exactly this step.
+    ``(thresholds, words, exact)``: float32 [L]; the packed passing masks
+    (`segmented.pack`) at those thresholds; int32 number of leaves whose
+    threshold was computed exactly.
   """
-  thresholds, packed = [], []
-  exact_leaves = jnp.zeros((), jnp.int32)
-  for leaf, (g, h) in enumerate(zip(accumulated, previous)):
-    k = select.leaf_k(layout, leaf)
-    if select.sent_whole(layout, leaf):
-      # Every nonzero value goes; no threshold to find.
-      thresholds.append(jnp.zeros((), jnp.float32))
-      packed.append(selection.pack_passing(g, thresholds[-1]))
-      continue
-    if select.refresh_below is None:
-      h = lax.cond(recompute, lambda g=g, k=k: selection.kth_largest_abs(g, k), lambda h=h: h)
-      thresholds.append(h)
-      packed.append(selection.pack_passing(g, h))
-      exact_leaves = exact_leaves + recompute.astype(jnp.int32)
-      continue
-    words = selection.pack_passing(g, h)
-    passing = selection.count_packed(words)
-    redo = (recompute | (passing < math.ceil(select.refresh_below * k))
-            | (passing > select.leaf_capacity(layout, leaf)))
+  ks = [select.leaf_k(layout, leaf) for leaf in leaves]
+  whole = [select.sent_whole(layout, leaf) for leaf in leaves]
+  sparse = sum(not w for w in whole)
+  exact = lambda: segmented.exact_thresholds(values, ks, whole)
+  if select.refresh_below is None:
+    thresholds = lax.cond(recompute, exact, lambda: previous)
+    return thresholds, values.pack(thresholds), recompute.astype(jnp.int32) * sparse
+  capacities = np.array([select.leaf_capacity(layout, leaf) for leaf in leaves])
+  chosen = _adapted(select, values, previous, ks, capacities)
+  words = values.pack(chosen)
+  passed = segmented.passing_counts(words, values.segs)
+  low = np.array([math.ceil(select.refresh_below * k) for k in ks])
+  drifted = ((passed < low) | (passed > capacities)) & ~np.array(whole)
+  redo = recompute | jnp.any(drifted)
 
-    def exact(g=g, k=k):
-      new = selection.kth_largest_abs(g, k)
-      return new, selection.pack_passing(g, new)
+  def recomputed():
+    thresholds = exact()
+    return thresholds, values.pack(thresholds)
 
-    h, words = lax.cond(redo, exact, lambda h=h, words=words: (h, words))
-    thresholds.append(h)
-    packed.append(words)
-    exact_leaves = exact_leaves + redo.astype(jnp.int32)
-  return thresholds, packed, exact_leaves
+  thresholds, words = lax.cond(redo, recomputed, lambda: (chosen, words))
+  return thresholds, words, redo.astype(jnp.int32) * sparse
+
+
+def _adapted(select, values, previous, ks, capacities):
+  """Per leaf the candidate multiple of `previous` whose count is closest to k_l and fits."""
+  factors = candidate_factors(select.candidates)
+  if len(factors) == 1:
+    return previous
+  trials = previous[:, None] * factors[None, :]
+  strides = [min(_MAX_COUNT_STRIDE, max(1, k // _COUNTED_NEAR_K)) for k in ks]
+  counts = values.count_at(trials, strides)
+  k = np.array(ks)[:, None]
+  score = jnp.where(counts <= capacities[:, None], jnp.abs(counts - k), (1 << 30) + counts)
+  return jnp.take_along_axis(trials, jnp.argmin(score, axis=1)[:, None], axis=1)[:, 0]
+
+
+def threshold_indices(select: Selection, layout: Layout, leaves: Sequence[int],
+                      values: segmented.Values, words: jax.Array
+                      ) -> tuple[list[jax.Array], jax.Array]:
+  """Each leaf's buffer of passing indices (local, sentinel = its size) and its passed count."""
+  capacities = [select.leaf_capacity(layout, leaf) for leaf in leaves]
+  positions, passed = segmented.compact(words, values.segs, capacities)
+  return segmented.local_indices(positions, values.segs, capacities), passed
+
+
+def select_threshold(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
+                     previous: Sequence[jax.Array], recompute: jax.Array):
+  """DLGS's selection, group by group: `step_thresholds`, then `threshold_indices`.
+
+  Returns:
+    ``(thresholds, chosen, exact)``: float32 scalars per leaf; per leaf its
+    index buffer and passed count (for `sparse_exchange`); the int32 number of
+    leaves whose threshold was computed exactly.
+  """
+  thresholds: list[Any] = [None] * len(layout.sizes)
+  chosen: list[Any] = [None] * len(layout.sizes)
+  exact = jnp.zeros((), jnp.int32)
+  for leaves in layout.groups:
+    values = segmented.values_of([accumulated[leaf] for leaf in leaves],
+                                 segmented.segments_of([layout.sizes[leaf] for leaf in leaves]),
+                                 lay_out_by_default())
+    found, words, group_exact = step_thresholds(
+        select, layout, leaves, values, jnp.stack([previous[leaf] for leaf in leaves]),
+        recompute)
+    indices, passed = threshold_indices(select, layout, leaves, values, words)
+    for i, leaf in enumerate(leaves):
+      thresholds[leaf] = found[i]
+      chosen[leaf] = (indices[i], passed[i])
+    exact = exact + group_exact
+  return thresholds, chosen, exact
 
 
 def sparse_exchange(
@@ -224,7 +303,7 @@ def sparse_exchange(
     thresholds: Optional[Sequence[jax.Array]],
     *,
     axis_name,
-    packed: Optional[Sequence[jax.Array]] = None,
+    chosen: Optional[Sequence[tuple[jax.Array, jax.Array]]] = None,
     wire_dtype: str = "float32",
 ):
   """One sparse communication step over all groups.
@@ -241,9 +320,9 @@ def sparse_exchange(
     accumulated: flat list of g = residual + gradient per leaf.
     thresholds: H_l per leaf (float32 scalars) for the "threshold" rule.
     axis_name: the data-parallel axis.
-    packed: optionally, each leaf's passing mask for its threshold, packed by
-      `selection.pack_passing` (as `step_thresholds` returns it), so it is not
-      built again.
+    chosen: for the "threshold" rule, per leaf its index buffer and the
+      int32 number of values that passed (`select_threshold`); without it
+      each leaf's buffer is selected here from `thresholds`.
     wire_dtype: the all-gather's value dtype; with "bfloat16" what rounding a
       sent value loses stays in the residual.
 
@@ -264,8 +343,8 @@ def sparse_exchange(
     """(int32[slots] local indices with sentinel = leaf size, int32 passed)."""
     if select.kind == "threshold":
       capacity = select.leaf_capacity(layout, leaf)
-      if packed is not None:
-        return selection.indices_from_words(packed[leaf], layout.sizes[leaf], capacity)
+      if chosen is not None:
+        return chosen[leaf]
       return selection.threshold_indices(accumulated[leaf], thresholds[leaf], capacity)
     local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
     return local, jnp.asarray(local.shape[0], jnp.int32)

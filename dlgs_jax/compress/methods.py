@@ -42,8 +42,10 @@ class MethodConfig:
     name: a key of `METHODS`.
     density: fraction of values sent (the sparse methods).
     reuse_every: DLGS: exact thresholds every this many steps.
-    refresh_below: DLGS: recompute a reused threshold early when it passes
+    refresh_below: DLGS: recompute a group's thresholds early when one passes
       fewer than this fraction of k (or overflows); None: the paper's schedule.
+    candidates: DLGS: thresholds each leaf tries on a reuse step (multiples of
+      its reused one); 1: the reused one only.
     min_ndim: LAGS/DLGS: leaves with fewer dimensions are sent whole.
     send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
       layer (found from the backward order).
@@ -58,6 +60,7 @@ class MethodConfig:
   density: float = 0.01
   reuse_every: int = 10
   refresh_below: Optional[float] = 0.5
+  candidates: int = 1
   min_ndim: int = 0
   send_whole: tuple[str, ...] = ()
   collective: str = "allgather"
@@ -81,6 +84,9 @@ class MethodConfig:
       raise ConfigError("reuse_every", self.reuse_every, "must be >= 1")
     if self.refresh_below is not None:
       _check_number("refresh_below", self.refresh_below, 0.0, 1.0)
+    if (isinstance(self.candidates, bool) or not isinstance(self.candidates, int)
+        or not 1 <= self.candidates <= 16):
+      raise ConfigError("candidates", self.candidates, "must be an integer in [1, 16]")
     if self.min_ndim < 0:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
     if self.collective not in ("allgather", "gtopk"):
@@ -259,7 +265,7 @@ def _build_lags(c: MethodConfig, ctx: _BuildContext):
 def _build_dlgs(c: MethodConfig, ctx: _BuildContext):
   return dlgs(c.density, axis_name=ctx.axis_name, reuse_every=c.reuse_every, groups=ctx.groups,
               order=ctx.order, collective=c.collective, refresh_below=c.refresh_below,
-              min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order), wire_dtype=c.wire_dtype)
+              candidates=c.candidates, min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order), wire_dtype=c.wire_dtype)
 
 
 def _build_dgc(c: MethodConfig, ctx: _BuildContext):
@@ -293,7 +299,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            collective="gtopk", message_bytes=lambda size, k, workers: wire.gtopk_bytes(k, workers)[0]),
     Method("dlgs", "per-leaf thresholds, exact every reuse_every steps, planned merging",
            _build_dlgs, takes_groups=True, whole_layers=True,
-           options=_LAYER_WISE + ("reuse_every", "refresh_below"),
+           options=_LAYER_WISE + ("reuse_every", "refresh_below", "candidates"),
            grouping="optimal"),
     Method("dgc", "Deep Gradient Compression (sampled thresholds, momentum correction)",
            _build_dgc, options=("density", "dgc_warmup_epochs"), holds_momentum=True, planner_prices=False, per_leaf_update=True,
@@ -306,6 +312,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("dlgs-paper", "dlgs", {"refresh_below": None}, "the paper's fixed threshold schedule"),
+    Variant("dlgs-refresh", "dlgs", {"candidates": 1},
+            "reused thresholds kept as they are until one leaves the band (the refresh rule)"),
+    Variant("dlgs-adapt", "dlgs", {"candidates": 7},
+            "reused thresholds adapted among 7 candidates per step"),
     Variant("dlgs-whole1d", "dlgs", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
     Variant("lags-whole1d", "lags", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
     Variant("dlgs-head", "dlgs", {"send_whole": ("head",)}, "the classifier head sent whole"),

@@ -90,13 +90,13 @@ def _sparse_transform(
                       if with_thresholds else None)
 
     def communicate():
-      thresholds, packed, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
+      thresholds, chosen, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
       if with_thresholds:
-        thresholds, packed, exact = engine.step_thresholds(
+        thresholds, chosen, exact = engine.select_threshold(
             select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
       means, residuals, selected, passed, sent, received = engine.sparse_exchange(
           layout, select, collective, accumulated, thresholds, axis_name=axis_name,
-          packed=packed, wire_dtype=wire_dtype)
+          chosen=chosen, wire_dtype=wire_dtype)
       stats = step_stats(state.stats, sent, received, selected, passed, exact)
       return means, common.as_varying((residuals, thresholds, stats, state.count + 1), axis_name)
 
@@ -128,6 +128,7 @@ def dlgs(
     collective: str = "allgather",
     capacity_factor: float = 1.0,
     refresh_below: Optional[float] = 0.5,
+    candidates: int = 1,
     min_ndim: int = 0,
     send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
@@ -142,14 +143,18 @@ def dlgs(
   every step is paid once per `reuse_every` steps. Values with ``|g| >= H_l``
   (and ``g != 0``) are sent; everything else stays in the residual e.
 
-  Refresh rule (our addition; ``refresh_below=None`` gives the paper's fixed
-  schedule): a leaf whose reused threshold would pass fewer than
-  ``refresh_below * k_l`` values, or more than its buffer holds, recomputes
-  its exact threshold on that step. Right after an exact step the sent
-  values leave the residual, so the old threshold passes far fewer than k_l
-  values (ResNet-20, density 0.1, reuse 10: 38% of k on average over two
-  epochs) and training falls behind LAGS; the rule costs one counting pass
-  per leaf and an exact selection only where the threshold drifted.
+  Adaptation and refresh (our addition; ``refresh_below=None`` gives the
+  paper's fixed schedule): right after an exact step the sent values leave the
+  residual, so the old threshold passes far fewer than k_l values (ResNet-20,
+  density 0.1, reuse 10: 38% of k on average over two epochs) and training
+  falls behind LAGS. So on a reuse step each leaf counts the values passing
+  at `candidates` multiples of its threshold and keeps the one closest to k_l
+  that fits its buffer; when a leaf's chosen threshold still passes fewer than
+  ``refresh_below * k_l`` values, or more than its buffer holds, every leaf's
+  threshold in its group is recomputed exactly on that step. A group's
+  leaves are handled together (`segmented`): one counting pass, one
+  compaction and one conditional per group and step, however many leaves it
+  holds; a planned grouping (`groups`) thus also batches the selection.
 
   Capacity rule: static shapes need a fixed buffer, so leaf l sends at most
   ``min(size_l, ceil(capacity_factor * k_l))`` values -- the first ones in flat
@@ -172,9 +177,13 @@ def dlgs(
     collective: "allgather" (all-gather pairs, scatter-add, divide by P) or
       "gtopk" (gTop-k reduction per group, keeping sum_l k_l values globally).
     capacity_factor: buffer size per leaf in units of k_l (>= 1).
-    refresh_below: recompute a reused threshold early when it passes fewer
+    refresh_below: recompute the thresholds early when a leaf's passes fewer
       than this fraction of k_l (in [0, 1]; 0: only on buffer overflow), or
       more than the buffer holds; ``None``: never early (the paper).
+    candidates: with `refresh_below`, thresholds each leaf tries on a reuse
+      step, multiples ``2^(j/4)`` of its reused one, two thirds below it; it
+      keeps the one whose count is closest to k_l within its buffer (in
+      [1, 16]; 1: the reused threshold only).
     min_ndim: leaves with fewer dimensions are sent whole (every nonzero
       value, in the same message), as DGC does for biases and normalisation
       parameters; 0 (the paper): every leaf is sparsified.
@@ -201,7 +210,8 @@ def dlgs(
   """
   density = common.check_density(density)
   for name, value in (("reuse_every", reuse_every), ("capacity_factor", capacity_factor),
-                      ("refresh_below", refresh_below), ("min_ndim", min_ndim)):
+                      ("refresh_below", refresh_below), ("candidates", candidates),
+                      ("min_ndim", min_ndim)):
     common.check_static(name, value)
   if (isinstance(reuse_every, bool) or not isinstance(reuse_every, numbers.Integral)
       or reuse_every < 1):
@@ -213,11 +223,15 @@ def dlgs(
       isinstance(refresh_below, bool) or not isinstance(refresh_below, numbers.Real)
       or not 0.0 <= refresh_below <= 1.0):
     raise ValueError(f"refresh_below must be in [0, 1] or None, got {refresh_below!r}")
+  if (isinstance(candidates, bool) or not isinstance(candidates, numbers.Integral)
+      or not 1 <= candidates <= 16):
+    raise ValueError(f"candidates must be an integer in [1, 16], got {candidates!r}")
   groups, order = common.check_groups(groups, order)
   return _sparse_transform(
       engine.Selection("threshold", density, float(capacity_factor),
                        None if refresh_below is None else float(refresh_below),
-                       common.check_min_ndim(min_ndim), common.check_send_whole(send_whole)),
+                       common.check_min_ndim(min_ndim), common.check_send_whole(send_whole),
+                       int(candidates)),
       common.check_collective(collective), axis_name=axis_name, groups=groups,
       order=order, single_group=False, reuse_every=int(reuse_every),
       skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype, wire_dtype=wire_dtype)

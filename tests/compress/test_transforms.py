@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import dlgs_jax
-from dlgs_jax.compress import grouping
+from dlgs_jax.compress import engine, grouping
 from dlgs_jax.workload import parallel
 from tests.helpers import flat, flat_workers, random_grads, run_steps
 
@@ -27,6 +27,9 @@ def methods(density, **kw):
       "dlgs_grouped": dlgs_jax.dlgs(
           density, axis_name="data", reuse_every=3, order=ORDER,
           groups=[ORDER[:2], ORDER[2:]], **kw),
+      "dlgs_adapted": dlgs_jax.dlgs(
+          density, axis_name="data", reuse_every=3, order=ORDER, candidates=7,
+          groups=[ORDER[:3], ORDER[3:]], **kw),
       "dlgs_gtopk": dlgs_jax.dlgs(
           density, axis_name="data", collective="gtopk", groups=[ORDER[:3], ORDER[3:]],
           order=ORDER, **kw),
@@ -161,11 +164,13 @@ def test_dlgs_reused_threshold_respects_capacity_and_counts_overflow():
 
 def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band():
   # Gradient scales jump around so reused thresholds pass too few values
-  # (x0.01), too many (x30), or about k (x1): each leaf on each worker must
-  # reuse H_l exactly when the count under the old H_l is within
-  # [ceil(0.5 k), capacity], and take the exact k-th largest |g| otherwise.
+  # (x0.01), too many (x30), or about k (x1): with one candidate (the refresh
+  # rule) and each leaf its own group, each leaf on each worker must reuse H_l
+  # exactly when the count under the old H_l is within [ceil(0.5 k),
+  # capacity], and take the exact k-th largest |g| otherwise.
   density, reuse = 0.1, 100
-  tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=reuse, refresh_below=0.5)
+  tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=reuse, refresh_below=0.5,
+                     candidates=1)
   rng = np.random.default_rng(8)
   scales = [1.0, 1.0, 0.01, 1.0, 30.0, 1.0, 1.0]
   steps = [random_grads(PARAMS, W, rng, scale=s) for s in scales]
@@ -200,6 +205,48 @@ def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band()
     previous = thresholds
     residual = jax.tree_util.tree_leaves(state.residuals)
   assert outcomes == {"reused", "too few", "too many"}
+
+
+@pytest.mark.parametrize("candidates", [1, 7])
+def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
+  # Two groups; scales jump so that some steps drift out of the band. Within
+  # a group, on each worker, either every threshold is exact this step or none
+  # changed except by a candidate factor; and the exact count adds up by group.
+  density = 0.1
+  groups = [ORDER[:2], ORDER[2:]]
+  tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=100, order=ORDER, groups=groups,
+                     candidates=candidates)
+  rng = np.random.default_rng(11)
+  steps = [random_grads(PARAMS, W, rng, scale=s) for s in (1.0, 1.0, 0.01, 1.0, 30.0, 1.0)]
+  _, _, states = run_steps(tx, PARAMS, steps, W)
+  paths = grouping.leaf_paths(PARAMS)
+  factors = set(engine.candidate_factors(candidates).tolist())
+  residual = [np.zeros_like(x) for x in jax.tree_util.tree_leaves(steps[0])]
+  previous, seen = None, set()
+  for step, (grads, state) in enumerate(zip(steps, states)):
+    accumulated = [r + g for r, g in zip(residual, jax.tree_util.tree_leaves(grads))]
+    thresholds = jax.tree_util.tree_leaves(state.thresholds)
+    for w in range(W):
+      exact_leaves = 0
+      for group in groups:
+        leaves = [paths.index(p) for p in group]
+        exact = [np.sort(np.abs(accumulated[i][w]).ravel())[::-1][
+            max(1, int(np.ceil(density * accumulated[i][w].size))) - 1] for i in leaves]
+        got = [thresholds[i][w] for i in leaves]
+        adapted = step > 0 and all(
+            any(np.float32(previous[i][w] * np.float32(f)) == thresholds[i][w] for f in factors)
+            for i in leaves)
+        if adapted:
+          seen.add("adapted")
+        else:
+          assert got == exact, (step, w, group)
+          exact_leaves += len(leaves)
+          seen.add("exact")
+      assert int(state.stats.exact[w]) == exact_leaves, (step, w)
+    previous = thresholds
+    residual = jax.tree_util.tree_leaves(state.residuals)
+  # With one candidate a leaf of a few values nearly always leaves the band.
+  assert seen == ({"exact", "adapted"} if candidates > 1 else {"exact"})
 
 
 @pytest.mark.parametrize("name", ["topk", "gtopk"])
@@ -251,13 +298,15 @@ def test_lags_matches_numpy_reference_over_steps():
 
 
 @pytest.mark.parametrize("make", [
-    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, **kw),
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, refresh_below=None, **kw),
     lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=2, refresh_below=None,
                                capacity_factor=1.5, **kw),
     lambda **kw: dlgs_jax.lags(0.2, axis_name="data", **kw),
 ])
 def test_layer_wise_methods_send_the_same_grouped_or_not(make):
-  """A group is one message of per-leaf segments: the same values as one message per leaf."""
+  """A group is one message of per-leaf segments: the same values as one message per leaf.
+
+  (On the fixed schedule: the refresh rule recomputes a whole group at once.)"""
   rng = np.random.default_rng(8)
   steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
   per_leaf = run_steps(make(), PARAMS, steps, W)

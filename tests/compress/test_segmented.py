@@ -1,0 +1,169 @@
+"""Selection over a group's leaves at once, against leaf-by-leaf NumPy references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dlgs_jax
+from dlgs_jax.compress import engine, segmented, selection
+from dlgs_jax.profiling import programs
+from tests.helpers import random_grads, run_steps
+
+# Sizes off the 32-value word (1, 33, 100), one large enough to be sampled.
+SIZES = (1, 33, 100, 4096, 70000)
+VIEWS = [pytest.param(False, id="leaf_by_leaf"), pytest.param(True, id="laid_out")]
+
+
+def make_leaves(rng, sizes=SIZES, zeros=0.0):
+  leaves = []
+  for size in sizes:
+    x = rng.standard_normal(size).astype(np.float32)
+    x[rng.random(size) < zeros] = 0.0
+    leaves.append(x)
+  return leaves
+
+
+def kth_largest_np(x, k):
+  return np.sort(np.abs(x))[::-1][k - 1]
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
+@pytest.mark.parametrize("density,zeros", [(0.01, 0.0), (0.1, 0.0), (0.3, 0.9)])
+def test_exact_thresholds_are_the_kth_largest_of_every_leaf(laid_out, density, zeros):
+  leaves = make_leaves(np.random.default_rng(0), zeros=zeros)
+  segs = segmented.segments_of(SIZES)
+  ks = [selection.num_to_keep(density, size) for size in SIZES]
+  whole = [False, False, True, False, False]
+  fn = jax.jit(lambda ls: segmented.exact_thresholds(segmented.values_of(ls, segs, laid_out),
+                                                     ks, whole))
+  got = np.asarray(fn([jnp.asarray(x) for x in leaves]))
+  expected = [0.0 if w else kth_largest_np(x, k) for x, k, w in zip(leaves, ks, whole)]
+  np.testing.assert_array_equal(got, np.asarray(expected, np.float32))
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
+def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out):
+  # The large values sit off the sample's stride, so its bound lets far more
+  # than 2k values through: the whole-leaf bisection must take over.
+  size, k = 70000, 700
+  x = np.random.default_rng(1).uniform(0.1, 0.2, size).astype(np.float32)
+  x[1::4] = np.random.default_rng(2).uniform(1.0, 2.0, x[1::4].shape)
+  segs = segmented.segments_of([size, 40])
+  small = np.random.default_rng(3).standard_normal(40).astype(np.float32)
+  fn = jax.jit(lambda ls: segmented.exact_thresholds(
+      segmented.values_of(ls, segs, laid_out), [k, 4], [False, False]))
+  got = np.asarray(fn([jnp.asarray(x), jnp.asarray(small)]))
+  np.testing.assert_array_equal(got, [kth_largest_np(x, k), kth_largest_np(small, 4)])
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
+def test_compaction_matches_the_leaf_by_leaf_selection(laid_out):
+  rng = np.random.default_rng(4)
+  leaves = make_leaves(rng, zeros=0.3)
+  segs = segmented.segments_of(SIZES)
+  thresholds = np.array([0.0, 1.0, 0.5, 2.0, 1.5], np.float32)
+  # Capacities below, at and above the number passing.
+  capacities = [1, 3, 100, 500, 12000]
+
+  @jax.jit
+  def batched(ls):
+    values = segmented.values_of(ls, segs, laid_out)
+    words = values.pack(jnp.asarray(thresholds))
+    positions, passed = segmented.compact(words, segs, capacities)
+    return (segmented.local_indices(positions, segs, capacities), passed,
+            values.take(positions, capacities))
+
+  indices, passed, taken = batched([jnp.asarray(x) for x in leaves])
+  offset = 0
+  for x, t, c, got, n in zip(leaves, thresholds, capacities, indices, passed):
+    want, want_passed = selection.threshold_indices(jnp.asarray(x), jnp.asarray(t), c)
+    np.testing.assert_array_equal(got, want)
+    assert int(n) == int(want_passed) == int(np.sum((np.abs(x) >= t) & (x != 0)))
+    chosen = np.asarray(got)[np.asarray(got) < x.size]
+    np.testing.assert_array_equal(np.asarray(taken)[offset:offset + chosen.size], x[chosen])
+    offset += c
+
+
+def test_both_views_count_the_same_and_match_numpy():
+  rng = np.random.default_rng(5)
+  leaves = make_leaves(rng, zeros=0.2)
+  segs = segmented.segments_of(SIZES)
+  trials = rng.uniform(0.1, 2.0, (len(SIZES), 3)).astype(np.float32)
+  strides = [1, 1, 2, 1, 7]
+  counts = [np.asarray(jax.jit(lambda ls, v=v: segmented.values_of(ls, segs, v).count_at(
+      jnp.asarray(trials), strides))([jnp.asarray(x) for x in leaves])) for v in (False, True)]
+  np.testing.assert_array_equal(counts[0], counts[1])
+  for x, t, s, got in zip(leaves, trials, strides, counts[0]):
+    sample = np.abs(x[::s])
+    want = [s * int(np.sum((sample >= v) & (sample > 0))) for v in t]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bisection_with_fewer_bits_gives_a_close_lower_bound():
+  x = np.random.default_rng(6).standard_normal(5000).astype(np.float32)
+  segs = segmented.segments_of([5000])
+  exact = kth_largest_np(x, 50)
+  bound = float(jax.jit(lambda v: segmented.kth_largest(v, segs, [50], bits=17))(
+      jnp.asarray(segmented.lay_out([jnp.asarray(x)], segs)))[0])
+  assert exact * (1 - 2.0**-6) <= bound <= exact
+
+
+@pytest.mark.parametrize("candidates,refresh", [(1, 0.5), (7, 0.5), (1, None)])
+def test_the_transform_gives_the_same_updates_in_both_views(monkeypatch, candidates, refresh):
+  params = {"a": jnp.zeros((40, 50)), "b": jnp.zeros((7,)), "c": jnp.zeros((300, 130))}
+  rng = np.random.default_rng(7)
+  steps = [random_grads(params, 2, rng, scale=s) for s in (1.0, 1.0, 0.1, 1.0, 5.0)]
+  results = []
+  for laid_out in (False, True):
+    monkeypatch.setattr(engine, "lay_out_by_default", lambda v=laid_out: v)
+    tx = dlgs_jax.dlgs(0.05, axis_name="data", reuse_every=3, candidates=candidates,
+                       refresh_below=refresh, groups=[["a", "b", "c"]])
+    results.append(run_steps(tx, params, steps, 2))
+  for one, other in zip(jax.tree_util.tree_leaves(results[0]),
+                        jax.tree_util.tree_leaves(results[1])):
+    np.testing.assert_array_equal(one, other)
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
+def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
+    monkeypatch, laid_out):
+  """Selection batched over a group: no sort and one conditional (the group's
+  refresh; large leaves add the sampled bound's fallback), for 3 leaves or 30."""
+  monkeypatch.setattr(engine, "lay_out_by_default", lambda: laid_out)
+  counts = []
+  for leaves in (3, 30):
+    params = {f"w{i:02d}": jnp.zeros((64, 40 + i)) for i in range(leaves)}
+    layout = engine.make_layout(params, None, None, single_group=True)
+    select = engine.Selection("threshold", 0.01, refresh_below=0.5, candidates=7)
+    select_fn = lambda g, t, r, layout=layout: engine.select_threshold(select, layout, g, t, r)
+    counts.append(programs.program_counts(select_fn, jax.tree_util.tree_leaves(params),
+                                          [jnp.zeros(())] * leaves, jnp.bool_(False)))
+  for c in counts:
+    assert c["conditionals"] == 1 and c["sorts"] == 0 and c["top_k"] == 0, c
+  if laid_out:
+    # The passes are per group; what grows is handing each leaf its buffer.
+    assert counts[1]["kernels"] < 2 * counts[0]["kernels"], counts
+
+
+def test_nonfinite_values_do_not_stall_the_batched_selection():
+  params = {"a": jnp.zeros((300, 130)), "b": jnp.zeros((50,))}
+  tx = dlgs_jax.dlgs(0.05, axis_name="data", candidates=7, groups=[["a", "b"]])
+  rng = np.random.default_rng(8)
+  good = random_grads(params, 2, rng)
+  bad = jax.tree_util.tree_map(lambda x: x.copy(), good)
+  bad["a"][1, 3, 4] = np.nan
+  bad["b"][0, 2] = np.inf
+  updates, state, states = run_steps(tx, params, [good, bad, good], 2)
+  assert int(np.asarray(state.stats.skipped)[0]) == 1
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree_util.tree_leaves(updates[1]))
+  for a, b in zip(jax.tree_util.tree_leaves(states[0].residuals),
+                  jax.tree_util.tree_leaves(states[1].residuals)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_segments_refuse_an_empty_leaf():
+  with pytest.raises(ValueError, match="no empty leaf, got sizes \\(3, 0\\)"):
+    segmented.segments_of([3, 0])
