@@ -225,6 +225,7 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--plan", "/nonexistent/plan.json"], "--plan '/nonexistent/plan.json' is invalid: no such"),
     (["--nonfinite-limit", "0"], "--nonfinite-limit 0 is invalid"),
     (["--wire-dtype", "float16"], "--wire-dtype 'float16' is invalid: choose from"),
+    (["--candidates", "0"], "--candidates 0 is invalid: must be an integer in [1, 16]"),
     (["--method", "gtopk", "--wire-dtype", "bfloat16"],
      "--wire-dtype 'bfloat16' is invalid: applies to dense, topk, lags, dlgs, not gtopk"),
     (["--collective", "gtopk", "--wire-dtype", "bfloat16"],
@@ -278,6 +279,7 @@ def test_flags_become_the_config_and_name_a_variant():
   assert config.schedule.decay_boundaries(10, 1400) == [10, 25]
   assert train.method_flags("dlgs-paper") == ["--method", "dlgs", "--refresh-below", "none"]
   assert train.method_flags("lags-head") == ["--method", "lags", "--send-whole", "head"]
+  assert train.config_from_args(["--candidates", "5"]).method.candidates == 5
   assert train.method_flags("dense") == ["--method", "dense"]
   # The flags that set a config give that config back.
   again = train.config_from_args(train.config_flags(config, sections=[s for s in SECTIONS]))

@@ -55,6 +55,8 @@ def test_configurations_run_density_free_methods_once():
     (MethodConfig(name="sgd"), "method"),
     (MethodConfig(reuse_every=0), "reuse_every"),
     (MethodConfig(refresh_below=1.5), "refresh_below"),
+    (MethodConfig(candidates=0), "candidates"),
+    (MethodConfig(candidates=2.0), "candidates"),
     (MethodConfig(min_ndim=-1), "min_ndim"),
     (MethodConfig(name="topk", min_ndim=2), "min_ndim"),
     (MethodConfig(name="dgc", send_whole=("head",)), "send_whole"),

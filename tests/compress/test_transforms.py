@@ -501,6 +501,8 @@ def test_composes_with_optax_and_trains(make):
     ({"density": 0.1, "refresh_below": True}, "refresh_below"),
     ({"density": 0.1, "min_ndim": -1}, "min_ndim"),
     ({"density": 0.1, "min_ndim": 1.5}, "min_ndim"),
+    ({"density": 0.1, "candidates": 0}, "candidates must be an integer in \\[1, 16\\], got 0"),
+    ({"density": 0.1, "candidates": 17}, "candidates"),
     ({"density": 0.1, "groups": "dense/bias"}, "dense/bias"),
 ])
 def test_bad_arguments_raise(kwargs, match):
