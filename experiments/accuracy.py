@@ -32,9 +32,12 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from dlgs_jax.cli.train import method_flags
+from dlgs_jax.compress.selection import num_to_keep
+from dlgs_jax.workload import models
 from dlgs_jax.compress.methods import configurations, density_free
 
 HERE = Path(__file__).resolve().parent
@@ -102,17 +105,37 @@ def train_command(args, method, density, seed, workdir):
   return command
 
 
-def read_run(workdir: Path):
-  """Per-epoch records and the summary of a finished run."""
-  epochs = []
+def read_run(workdir: Path, model: str, density):
+  """Per-epoch records and the summary of a finished run (with `threshold_stats` for DLGS)."""
+  epochs, steps = [], []
   with open(workdir / "metrics.jsonl") as f:
     for line in f:
       record = json.loads(line)
       if record.get("event") == "epoch_end":
         epochs.append({k: record[k] for k in ("epoch", "step", "test_accuracy", "test_loss",
                                               "train_loss", "train_accuracy") if k in record})
+      elif "event" not in record and "exact" in record:
+        steps.append(record)
   summary = json.loads((workdir / "summary.json").read_text())
+  if density is not None and summary.get("method") == "dlgs" and steps:
+    summary["threshold_stats"] = threshold_stats(steps, model, density)
   return epochs, summary
+
+
+def threshold_stats(steps, model: str, density: float) -> dict:
+  """Share of thresholds computed exactly, and values sent per step against k (sum of k_l).
+
+  Per step the metrics hold one worker's values sent and leaves recomputed.
+  """
+  sizes = [int(np.prod(leaf.shape))
+           for leaf in jax.tree_util.tree_leaves(models.param_shapes(model))]
+  k = sum(num_to_keep(density, size) for size in sizes)
+  sent = np.array([step["selected"] for step in steps]) / k
+  exact = np.array([step["exact"] for step in steps]) / len(sizes)
+  return {"exact_share": float(exact.mean()), "sent_over_k_mean": float(sent.mean()),
+          "sent_over_k_sd": float(sent.std()),
+          "sent_over_k_p10": float(np.percentile(sent, 10)),
+          "sent_over_k_p90": float(np.percentile(sent, 90))}
 
 
 # The settings that must agree for runs to be compared in one table.
@@ -168,6 +191,8 @@ def write_report(results, meta, out: Path):
   table = markdown(results)
   if len(meta["seeds"]) > 1 and any(r["method"] == "dense" for r in results):
     table += "\n\n" + markdown_paired_gaps(results)
+  if any("threshold_stats" in r["summary"] for r in results):
+    table += "\n\n" + markdown_thresholds(results)
   (out / "results.md").write_text(table + "\n")
   print(table)
   plot(results, meta, out / "curves.png")
@@ -207,7 +232,7 @@ def main(argv=None) -> int:
       print(f"== {label}: {time.time() - started:.0f} s", flush=True)
     else:
       print(f"== {label}: reusing {workdir}", flush=True)
-    epochs, summary = read_run(workdir)
+    epochs, summary = read_run(workdir, args.model, None if density_free(method) else density)
     results.append({"method": method, "density": None if density_free(method) else density,
                     "seed": seed, "epochs": epochs, "summary": summary,
                     "command": "python -m dlgs_jax.cli.train " + " ".join(command[3:])})
@@ -217,6 +242,21 @@ def main(argv=None) -> int:
           "data": args.data_dir or "embedded CIFAR-10 subset (3,805 train / 761 test)"}
   write_report(results, meta, out)
   return 0
+
+
+def markdown_thresholds(results) -> str:
+  """DLGS's thresholds per configuration: exact share, values sent against k (means over seeds)."""
+  lines = ["| method | density | seeds | exact thresholds | sent / k: mean | sd over steps | "
+           "10th-90th percentile |", "|---|---|---|---|---|---|---|"]
+  for (method, density), runs in by_configuration(results).items():
+    stats = [r["summary"]["threshold_stats"] for r in runs if "threshold_stats" in r["summary"]]
+    if not stats:
+      continue
+    mean = lambda key: np.mean([s[key] for s in stats])  # noqa: E731
+    lines.append(f"| {method} | {density:g} | {len(stats)} | {mean('exact_share'):.1%} | "
+                 f"{mean('sent_over_k_mean'):.2f} | {mean('sent_over_k_sd'):.2f} | "
+                 f"{mean('sent_over_k_p10'):.2f}-{mean('sent_over_k_p90'):.2f} |")
+  return "\n".join(lines)
 
 
 def final_accuracy(run) -> float:

@@ -82,6 +82,13 @@ def full_steps() -> list[tuple[str, list[str]]]:
                                "--densities", "0.1", "--epochs", "60", "--seeds", "0,1,2",
                                "--out-dir", r + "accuracy_60ep_seeds",
                                "--runs-dir", "runs/accuracy_60ep"]),
+      *[(f"accuracy_thresholds_seed{seed}", [
+          e + "accuracy.py", "--methods", "dlgs-adapt,dlgs-refresh", "--densities",
+          "0.1,0.01" if seed == 0 else "0.1", "--seeds", str(seed), "--out-dir",
+          f"runs/acc_select_seed{seed}", "--runs-dir", "runs/acc_select"]) for seed in range(3)],
+      ("accuracy_thresholds", [e + "accuracy.py", "--merge", ",".join(
+          f"runs/acc_select_seed{seed}/results.json" for seed in range(3)),
+          "--out-dir", r + "accuracy_thresholds"]),
       ("budget_share", [e + "budget_share.py"]),
       ("accuracy", [e + "accuracy.py", "--methods",
                     "dense,topk,lags,gtopk,dlgs,dlgs-paper,dlgs-whole1d"]),

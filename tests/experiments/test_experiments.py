@@ -148,8 +148,13 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   # DLGS at density 0.1 sends far less than the dense all-reduce of the same model.
   dense_sent = dense["bytes_sent_per_step"] or dense["dense_bytes_per_step"]
   assert 0 < dlgs["bytes_sent_per_step"] < 0.5 * dense_sent
-  table = (tmp_path / "out" / "results.md").read_text().splitlines()
+  table, thresholds = (tmp_path / "out" / "results.md").read_text().strip().split("\n\n")
+  table = table.splitlines()
   assert len(table) == 4 and table[2].startswith("| dense | - |")
+  # DLGS's thresholds: the first of 5 steps is exact, and no worker sends more than k.
+  stats = dlgs["threshold_stats"]
+  assert 0.2 <= stats["exact_share"] <= 1 and 0 < stats["sent_over_k_mean"] <= 1
+  assert thresholds.splitlines()[2].startswith("| dlgs | 0.1 | 1 | ")
   assert (tmp_path / "out" / "curves.png").stat().st_size > 10_000
   second = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=600)
