@@ -60,7 +60,7 @@ class MethodConfig:
   density: float = 0.01
   reuse_every: int = 10
   refresh_below: Optional[float] = 0.5
-  candidates: int = 1
+  candidates: int = 7
   min_ndim: int = 0
   send_whole: tuple[str, ...] = ()
   collective: str = "allgather"

@@ -53,7 +53,7 @@ def test_the_running_total_carries_past_32_bits_and_skips_add_nothing():
 def test_every_compressor_of_a_chain_is_reported():
   labels = {"conv": {"kernel": "sparse", "bias": "sparse"},
             "head": {"kernel": "dense", "bias": "dense"}}
-  tx = optax.multi_transform({"sparse": dlgs_jax.dlgs(0.1, axis_name="data"),
+  tx = optax.multi_transform({"sparse": dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=1),
                               "dense": dlgs_jax.dense(axis_name="data")}, labels)
   rng = np.random.default_rng(1)
   _, final, _ = run_steps(tx, PARAMS, [random_grads(PARAMS, W, rng) for _ in range(2)], W)
