@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dlgs_jax.compress import selection
+
 WORD = 32
 
 # Up to this size (or when 2k is half the leaf) a leaf's candidates are all
@@ -235,23 +237,10 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
       jnp.arange(num_words, dtype=jnp.int32), mode="drop")
   word_index = lax.cummax(marks)
   local = jnp.arange(total, dtype=jnp.int32) - _repeat(jnp.asarray(slot_starts), capacities)
-  bit = _bit_of_rank(words[word_index],
+  bit = selection.bit_of_rank(words[word_index],
                      local + _repeat(leaf_base, capacities) - word_starts[word_index])
   positions = jnp.where(local < _repeat(passed, capacities), word_index * WORD + bit, segs.length)
   return positions, passed
-
-
-def _bit_of_rank(word: jax.Array, rank: jax.Array) -> jax.Array:
-  """Position of the rank-th set bit of each word (5 halving steps)."""
-  bit = jnp.zeros_like(rank)
-  for width in (16, 8, 4, 2, 1):
-    low_mask = jnp.uint32((1 << width) - 1)
-    low_count = lax.population_count(word & low_mask).astype(jnp.int32)
-    upper = rank >= low_count
-    rank = jnp.where(upper, rank - low_count, rank)
-    bit = jnp.where(upper, bit + width, bit)
-    word = jnp.where(upper, word >> width, word & low_mask)
-  return bit
 
 
 def local_indices(positions: jax.Array, segs: Segments, capacities: Sequence[int]

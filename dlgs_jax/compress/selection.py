@@ -179,8 +179,14 @@ def indices_from_words(words: jax.Array, size: int, capacity: int
   word_index = lax.cummax(marks)
   slot = jnp.arange(capacity, dtype=jnp.int32)
   rank = slot - starts[word_index]  # rank of the wanted bit within its word
-  word = words[word_index]
-  bit = jnp.zeros_like(slot)
+  bit = bit_of_rank(words[word_index], rank)
+  indices = jnp.where(slot < passed, word_index * 32 + bit, size)
+  return indices, passed
+
+
+def bit_of_rank(word: jax.Array, rank: jax.Array) -> jax.Array:
+  """Position of the rank-th set bit (from 0) of each uint32 word, in 5 halving steps."""
+  bit = jnp.zeros_like(rank)
   for width in (16, 8, 4, 2, 1):
     low_mask = jnp.uint32((1 << width) - 1)
     low_count = lax.population_count(word & low_mask).astype(jnp.int32)
@@ -188,8 +194,7 @@ def indices_from_words(words: jax.Array, size: int, capacity: int
     rank = jnp.where(upper, rank - low_count, rank)
     bit = jnp.where(upper, bit + width, bit)
     word = jnp.where(upper, word >> width, word & low_mask)
-  indices = jnp.where(slot < passed, word_index * 32 + bit, size)
-  return indices, passed
+  return bit
 
 
 def count_valid(indices: jax.Array, size: int) -> jax.Array:
