@@ -219,7 +219,7 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
     the unused slots holding the sentinel ``segs.length``; int32[L] values
     that passed per leaf (possibly more than the capacity).
   """
-  num_leaves, num_words = len(segs.sizes), segs.num_words
+  num_words = segs.num_words
   capacities = np.asarray(capacities, np.int64)
   total = int(capacities.sum())
   slot_starts = np.concatenate([[0], np.cumsum(capacities)[:-1]]).astype(np.int32)
