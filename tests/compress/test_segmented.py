@@ -45,18 +45,22 @@ def test_exact_thresholds_are_the_kth_largest_of_every_leaf(laid_out, density, z
 
 
 @pytest.mark.parametrize("laid_out", VIEWS)
-def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out):
+@pytest.mark.parametrize("smalls", [1, 5], ids=["few_leaves", "many_leaves"])
+def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out, smalls):
   # The large values sit off the sample's stride, so its bound lets far more
-  # than 2k values through: the whole-leaf bisection must take over.
+  # than 2k values through: the whole-leaf bisection must take over. With a
+  # few leaves kept leaf by leaf each leaf takes selection.kth_largest_abs.
   size, k = 70000, 700
   x = np.random.default_rng(1).uniform(0.1, 0.2, size).astype(np.float32)
   x[1::4] = np.random.default_rng(2).uniform(1.0, 2.0, x[1::4].shape)
-  segs = segmented.segments_of([size, 40])
-  small = np.random.default_rng(3).standard_normal(40).astype(np.float32)
+  small = [np.random.default_rng(3 + i).standard_normal(40).astype(np.float32)
+           for i in range(smalls)]
+  segs = segmented.segments_of([size] + [40] * smalls)
   fn = jax.jit(lambda ls: segmented.exact_thresholds(
-      segmented.values_of(ls, segs, laid_out), [k, 4], [False, False]))
-  got = np.asarray(fn([jnp.asarray(x), jnp.asarray(small)]))
-  np.testing.assert_array_equal(got, [kth_largest_np(x, k), kth_largest_np(small, 4)])
+      segmented.values_of(ls, segs, laid_out), [k] + [4] * smalls, [False] * (1 + smalls)))
+  got = np.asarray(fn([jnp.asarray(v) for v in [x] + small]))
+  np.testing.assert_array_equal(got, [kth_largest_np(x, k)] + [kth_largest_np(v, 4)
+                                                               for v in small])
 
 
 @pytest.mark.parametrize("laid_out", VIEWS)
@@ -130,8 +134,10 @@ def test_the_transform_gives_the_same_updates_in_both_views(monkeypatch, candida
 @pytest.mark.parametrize("laid_out", VIEWS)
 def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
     monkeypatch, laid_out):
-  """Selection batched over a group: no sort and one conditional (the group's
-  refresh; large leaves add the sampled bound's fallback), for 3 leaves or 30."""
+  """Selection batched over a group: one conditional (the group's refresh;
+  large leaves add the sampled bound's fallback), for 3 leaves or 30, and no
+  sort -- except for a few leaves kept leaf by leaf (CPU), whose exact
+  thresholds come from selection.kth_largest_abs leaf by leaf."""
   monkeypatch.setattr(engine, "lay_out_by_default", lambda: laid_out)
   counts = []
   for leaves in (3, 30):
@@ -141,8 +147,12 @@ def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
     select_fn = lambda g, t, r, layout=layout: engine.select_threshold(select, layout, g, t, r)
     counts.append(programs.program_counts(select_fn, jax.tree_util.tree_leaves(params),
                                           [jnp.zeros(())] * leaves, jnp.bool_(False)))
-  for c in counts:
-    assert c["conditionals"] == 1 and c["sorts"] == 0 and c["top_k"] == 0, c
+  for leaves, c in zip((3, 30), counts):
+    assert c["conditionals"] == 1, c
+    if laid_out or leaves == 30:
+      assert c["sorts"] == 0 and c["top_k"] == 0, c
+    else:
+      assert c["top_k"] == leaves, c
   if laid_out:
     # The passes are per group; what grows is handing each leaf its buffer.
     assert counts[1]["kernels"] < 2 * counts[0]["kernels"], counts
