@@ -83,8 +83,8 @@ def full_steps() -> list[tuple[str, list[str]]]:
                                "--out-dir", r + "accuracy_60ep_seeds",
                                "--runs-dir", "runs/accuracy_60ep"]),
       *[(f"accuracy_thresholds_seed{seed}", [
-          e + "accuracy.py", "--methods", "dlgs-adapt,dlgs-refresh", "--densities",
-          "0.1,0.01" if seed == 0 else "0.1", "--seeds", str(seed), "--out-dir",
+          e + "accuracy.py", "--methods", "dlgs-adapt,dlgs-refresh,dlgs-paper", "--densities",
+          "0.1,0.01", "--seeds", str(seed), "--out-dir",
           f"runs/acc_select_seed{seed}", "--runs-dir", "runs/acc_select"]) for seed in range(3)],
       ("accuracy_thresholds", [e + "accuracy.py", "--merge", ",".join(
           f"runs/acc_select_seed{seed}/results.json" for seed in range(3)),
