@@ -14,7 +14,8 @@ collects each run's per-epoch test accuracy and loss.
 
 Writes results.json, results.md and curves.png under --out-dir. A run whose
 summary already exists with the same settings is reused (runs take minutes
-each), unless --rerun. DLGS's layer grouping only changes how values are
+each), unless --rerun; one made by another command stops the script before
+any training, unless --rerun. DLGS's layer grouping only changes how values are
 packed into collectives, not which values are sent, so runs use the default
 grouping; the timing benchmark (`bench_cluster.py`) uses planned groups.
 With several seeds the table gives each configuration's mean and sample
@@ -209,9 +210,12 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   methods = args.methods.split(",")
   densities = [float(d) for d in args.densities.split(",")]
+  plan = [(seed, method, density) for seed in args.seeds
+          for method, density in configurations(methods, densities)]
+  if not args.rerun:
+    refuse_to_overwrite(args, runs, plan)
   results = []
-  for seed, (method, density) in ((seed, configuration) for seed in args.seeds
-                                  for configuration in configurations(methods, densities)):
+  for seed, method, density in plan:
     name = method if density_free(method) else f"{method}_{density:g}"
     workdir = run_dir(runs, args.model, name, seed)
     label = name if len(args.seeds) == 1 else f"{name} seed {seed}"
@@ -242,6 +246,28 @@ def main(argv=None) -> int:
           "data": args.data_dir or "embedded CIFAR-10 subset (3,805 train / 761 test)"}
   write_report(results, meta, out)
   return 0
+
+
+def refuse_to_overwrite(args, runs: Path, plan) -> None:
+  """Stops, before any training, where a finished run was made by another command.
+
+  Retraining would delete it; a changed flag or a --runs-dir spelled another
+  way (absolute against relative) is enough to differ.
+
+  Raises:
+    SystemExit: naming the first such run directory.
+  """
+  for seed, method, density in plan:
+    name = method if density_free(method) else f"{method}_{density:g}"
+    workdir = run_dir(runs, args.model, name, seed)
+    settings_file = workdir / "accuracy_command.json"
+    if not (workdir / "summary.json").exists():
+      continue
+    recorded = json.loads(settings_file.read_text()) if settings_file.exists() else None
+    if recorded != train_command(args, method, density, seed, workdir)[1:]:
+      raise SystemExit(f"{workdir} holds a finished run of another command "
+                       f"({' '.join(recorded or ['unrecorded'])}); give --rerun to train it "
+                       f"again, or another --runs-dir")
 
 
 def markdown_thresholds(results) -> str:

@@ -359,9 +359,12 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   """
   segs = values.segs
   if values.flat is None and len(segs.sizes) <= _FEW_LEAVES:
-    return jnp.stack([jnp.zeros((), jnp.float32) if whole[leaf]
-                      else selection.kth_largest_abs(values.leaf(leaf), ks[leaf])
-                      for leaf in range(len(segs.sizes))])
+    # A leaf sent whole contributes any of its values, replaced by 0 below:
+    # the result stays typed like the values (varying inside shard_map).
+    found = jnp.stack([values.leaf(leaf)[0] if whole[leaf]
+                       else selection.kth_largest_abs(values.leaf(leaf), ks[leaf])
+                       for leaf in range(len(segs.sizes))])
+    return jnp.where(jnp.asarray(whole), 0.0, found)
   large = [leaf for leaf, (size, k) in enumerate(zip(segs.sizes, ks))
            if not whole[leaf] and size > _SMALL_LEAF and 2 * k < size // 2]
   bounds = jnp.where(jnp.asarray(whole), jnp.inf, 0.0).astype(jnp.float32)

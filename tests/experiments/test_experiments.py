@@ -179,6 +179,15 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   averaged = json.loads((tmp_path / "out" / "results.json").read_text())
   assert [r["seed"] for r in averaged["results"]] == [0, 1]
   assert "| dense | - | 0,1 |" in (tmp_path / "out" / "results.md").read_text()
+  # A finished run made by another command is not deleted unless --rerun says so.
+  changed = [*seeds[:seeds.index("--batch-size")], "--batch-size", "16",
+             *seeds[seeds.index("--batch-size") + 2:]]
+  refused = subprocess.run(changed, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                           timeout=120)
+  assert refused.returncode == 1 and "--rerun" in refused.stderr, refused.stderr[-3000:]
+  assert "smallcnn_dense holds a finished run" in refused.stderr
+  assert "dlgs_jax.cli.train" not in refused.stdout
+  assert (tmp_path / "runs" / "smallcnn_dense" / "summary.json").exists()
   bad = subprocess.run([*seeds[:seeds.index("--seeds")], "--seeds", "0,x"], cwd=ROOT,
                        env=child_env(), capture_output=True, text=True, timeout=60)
   assert bad.returncode == 2 and "'0,x'" in bad.stderr
