@@ -210,19 +210,20 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   methods = args.methods.split(",")
   densities = [float(d) for d in args.densities.split(",")]
-  plan = [(seed, method, density) for seed in args.seeds
-          for method, density in configurations(methods, densities)]
-  if not args.rerun:
-    refuse_to_overwrite(args, runs, plan)
-  results = []
-  for seed, method, density in plan:
+  plan = []
+  for seed, (method, density) in ((seed, configuration) for seed in args.seeds
+                                  for configuration in configurations(methods, densities)):
     name = method if density_free(method) else f"{method}_{density:g}"
     workdir = run_dir(runs, args.model, name, seed)
+    plan.append((seed, method, density, name, workdir,
+                 train_command(args, method, density, seed, workdir)))
+  if not args.rerun:
+    refuse_to_overwrite(plan)
+  results = []
+  for seed, method, density, name, workdir, command in plan:
     label = name if len(args.seeds) == 1 else f"{name} seed {seed}"
-    command = train_command(args, method, density, seed, workdir)
     settings_file = workdir / "accuracy_command.json"
-    done = ((workdir / "summary.json").exists() and settings_file.exists()
-            and json.loads(settings_file.read_text()) == command[1:])
+    done = (workdir / "summary.json").exists() and recorded_command(workdir) == command[1:]
     if args.rerun or not done:
       if workdir.exists():
         subprocess.run(["rm", "-rf", str(workdir)], check=True)
@@ -248,26 +249,32 @@ def main(argv=None) -> int:
   return 0
 
 
-def refuse_to_overwrite(args, runs: Path, plan) -> None:
+def refuse_to_overwrite(plan) -> None:
   """Stops, before any training, where a finished run was made by another command.
 
   Retraining would delete it; a changed flag or a --runs-dir spelled another
   way (absolute against relative) is enough to differ.
 
+  Args:
+    plan: (seed, method, density, name, workdir, command) of every run.
+
   Raises:
     SystemExit: naming the first such run directory.
   """
-  for seed, method, density in plan:
-    name = method if density_free(method) else f"{method}_{density:g}"
-    workdir = run_dir(runs, args.model, name, seed)
-    settings_file = workdir / "accuracy_command.json"
+  for *_, workdir, command in plan:
     if not (workdir / "summary.json").exists():
       continue
-    recorded = json.loads(settings_file.read_text()) if settings_file.exists() else None
-    if recorded != train_command(args, method, density, seed, workdir)[1:]:
+    recorded = recorded_command(workdir)
+    if recorded != command[1:]:
       raise SystemExit(f"{workdir} holds a finished run of another command "
                        f"({' '.join(recorded or ['unrecorded'])}); give --rerun to train it "
                        f"again, or another --runs-dir")
+
+
+def recorded_command(workdir: Path):
+  """The training command a run directory records (argv after the interpreter), or None."""
+  settings_file = workdir / "accuracy_command.json"
+  return json.loads(settings_file.read_text()) if settings_file.exists() else None
 
 
 def markdown_thresholds(results) -> str:
