@@ -15,9 +15,10 @@ collects each run's per-epoch test accuracy and loss.
 Writes results.json, results.md and curves.png under --out-dir. A run whose
 summary already exists with the same settings is reused (runs take minutes
 each), unless --rerun; one made by another command stops the script before
-any training, unless --rerun. DLGS's layer grouping only changes how values are
-packed into collectives, not which values are sent, so runs use the default
-grouping; the timing benchmark (`bench_cluster.py`) uses planned groups.
+any training, unless --rerun. Runs use one group per leaf unless --plan-dir
+gives planned groups: DLGS recomputes a group's thresholds together, so the
+grouping changes how often thresholds are exact (the timing benchmarks use
+planned groups).
 With several seeds the table gives each configuration's mean and sample
 standard deviation, and its gap to dense taken seed by seed. --merge joins the
 results.json of runs made separately (e.g. one seed per job) into one table
@@ -64,6 +65,9 @@ def parse_args(argv=None):
                       "trained once per seed and the table gives mean and spread")
   parser.add_argument("--data-dir", help="full CIFAR-10 (cifar-10-batches-py/); default: the "
                       "embedded subset")
+  parser.add_argument("--plan-dir", help="train with bench_cluster.py's plans from this directory "
+                      "(plan_<model>_<method>_<density>.json, where one exists): the planned "
+                      "groups instead of one group per leaf")
   parser.add_argument("--quick", action="store_true", help="2 epochs, dense and dlgs at 0.1")
   parser.add_argument("--rerun", action="store_true", help="train again even if a run exists")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "accuracy"))
@@ -103,6 +107,9 @@ def train_command(args, method, density, seed, workdir):
              "--workdir", str(workdir), "--check-every", "0", "--keep", "1"]
   if args.data_dir:
     command += ["--data-dir", args.data_dir]
+  plan = Path(args.plan_dir or ".") / f"plan_{args.model}_{method}_{density:g}.json"
+  if args.plan_dir and plan.exists():
+    command += ["--plan", str(plan)]
   return command
 
 
@@ -140,7 +147,7 @@ def threshold_stats(steps, model: str, density: float) -> dict:
 
 
 # The settings that must agree for runs to be compared in one table.
-MERGE_KEYS = ("model", "workers", "epochs", "batch_size", "lr", "data")
+MERGE_KEYS = ("model", "workers", "epochs", "batch_size", "lr", "data", "plan_dir")
 
 
 def merge_results(paths):
@@ -244,6 +251,7 @@ def main(argv=None) -> int:
   meta = {"command": command,
           "model": args.model, "workers": args.workers, "epochs": args.epochs,
           "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
+          "plan_dir": args.plan_dir,
           "data": args.data_dir or "embedded CIFAR-10 subset (3,805 train / 761 test)"}
   write_report(results, meta, out)
   return 0

@@ -71,6 +71,13 @@ def full_steps() -> list[tuple[str, list[str]]]:
       ("compare_resnet20_100mbit_topk", compare(
           "resnet20", 0.01, "dense,topk,dlgs-paper", 60, 3, "--out-dir",
           r + "compare/resnet20_100mbit/topk_pair", plans="cluster_resnet20", bandwidth="100mbit")),
+      *[(f"compare_batched_{model}_{link or '1gbit'}", compare(
+          model, 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-paper", rounds, steps, "--out-dir",
+          f"{r}compare/batched/{model}_{link or '1gbit'}", plans=plans, bandwidth=link))
+        for model, plans, rounds, steps in [("resnet20", "cluster_resnet20", 20, 3),
+                                            ("vgg16", "cluster", 6, 2),
+                                            ("resnet50", "cluster_resnet50", 6, 2)]
+        for link in ["", "100mbit"]],
       ("compare_resnet50_0.1", compare("resnet50", 0.1, "dense,lags,dlgs,dlgs-paper", 6, 2,
                                        "--out-dir", r + "compare/leafwise_resnet50_0.1",
                                        plans="cluster_resnet50")),

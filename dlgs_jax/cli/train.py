@@ -82,11 +82,11 @@ FLAGS = (
     Flag("--density", _M, "density", "fraction of values sent (sparse methods)", float),
     Flag("--reuse-every", _M, "reuse_every", "DLGS: exact threshold every this many steps", int),
     Flag("--refresh-below", _M, "refresh_below",
-         "DLGS: recompute a reused threshold early when it passes fewer than this fraction "
-         "of k (or overflows the buffer); 'none': the paper's fixed schedule",
+         "DLGS: recompute a group's reused thresholds early when they send fewer than this "
+         "fraction of k (or overflow the buffers); 'none': the paper's fixed schedule",
          parse_refresh_below, format=format_refresh_below),
     Flag("--candidates", _M, "candidates", "DLGS: thresholds each leaf tries on a reuse step, "
-         "multiples 2^(j/4) of its reused one; 1: the reused one only", int),
+         "multiples 2^(j/4) of its reused one, interpolated between; 1: the reused one only", int),
     Flag("--min-ndim", _M, "min_ndim", "lags/dlgs: leaves with fewer dimensions are sent whole; "
          "0: every leaf is sparsified (the paper)", int),
     Flag("--send-whole", _M, "send_whole", "lags/dlgs: leaves sent whole, comma-separated leaf "

@@ -42,10 +42,10 @@ class MethodConfig:
     name: a key of `METHODS`.
     density: fraction of values sent (the sparse methods).
     reuse_every: DLGS: exact thresholds every this many steps.
-    refresh_below: DLGS: recompute a group's thresholds early when one passes
-      fewer than this fraction of k (or overflows); None: the paper's schedule.
+    refresh_below: DLGS: recompute a group's thresholds early when they send
+      fewer than this fraction of k (or overflow); None: the paper's schedule.
     candidates: DLGS: thresholds each leaf tries on a reuse step (multiples of
-      its reused one); 1: the reused one only.
+      its reused one, interpolated between); 1: the reused one only.
     min_ndim: LAGS/DLGS: leaves with fewer dimensions are sent whole.
     send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
       layer (found from the backward order).
@@ -315,7 +315,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("dlgs-refresh", "dlgs", {"candidates": 1},
             "reused thresholds kept as they are until one leaves the band (the refresh rule)"),
     Variant("dlgs-adapt", "dlgs", {"candidates": 7},
-            "reused thresholds adapted among 7 candidates per step"),
+            "reused thresholds adapted from 7 candidates per step"),
     Variant("dlgs-whole1d", "dlgs", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
     Variant("lags-whole1d", "lags", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
     Variant("dlgs-head", "dlgs", {"send_whole": ("head",)}, "the classifier head sent whole"),

@@ -148,10 +148,13 @@ def dlgs(
   residual, so the old threshold passes far fewer than k_l values (ResNet-20,
   density 0.1, reuse 10: 38% of k on average over two epochs) and training
   falls behind LAGS. So on a reuse step each leaf counts the values passing
-  at `candidates` multiples of its threshold and keeps the one closest to k_l
-  that fits its buffer; when a leaf's chosen threshold still passes fewer than
-  ``refresh_below * k_l`` values, or more than its buffer holds, every leaf's
-  threshold in its group is recomputed exactly on that step. A group's
+  at `candidates` multiples of its threshold and interpolates between the two
+  that bracket ``sqrt(refresh_below) * k_l`` values; every leaf's threshold in
+  a group is recomputed exactly on that step when the group's leaves together
+  send fewer than ``refresh_below`` of its k, or one leaf passes more than
+  twice its buffer. With ``candidates=1`` (the refresh rule) the thresholds
+  are reused as they are and the check is per leaf: a leaf passing fewer than
+  ``refresh_below * k_l`` values or more than its buffer holds. A group's
   leaves are handled together (`segmented`): one counting pass, one
   compaction and one conditional per group and step, however many leaves it
   holds; a planned grouping (`groups`) thus also batches the selection.
@@ -177,15 +180,14 @@ def dlgs(
     collective: "allgather" (all-gather pairs, scatter-add, divide by P) or
       "gtopk" (gTop-k reduction per group, keeping sum_l k_l values globally).
     capacity_factor: buffer size per leaf in units of k_l (>= 1).
-    refresh_below: recompute the thresholds early when a leaf's passes fewer
-      than this fraction of k_l (in [0, 1]; 0: only on buffer overflow), or
-      more than the buffer holds; ``None``: never early (the paper).
+    refresh_below: recompute a group's thresholds early when its leaves
+      together send fewer than this fraction of its k (each leaf, with one
+      candidate), or a leaf overflows its buffer (see above) (in [0, 1]);
+      ``None``: never early (the paper).
     candidates: with `refresh_below`, thresholds each leaf tries on a reuse
-      step, multiples ``2^(j/4)`` of its reused one, two thirds below it; it
-      keeps the one whose count is closest to k_l within its buffer (in
-      [1, 16]; 1: the reused threshold only, the refresh rule). With 7
-      (ResNet-20, 4 workers, 20 epochs) a third as many thresholds are
-      recomputed as with 1 at density 0.1, at the same accuracy.
+      step, multiples ``2^(j/4)`` of its reused one, two thirds below it,
+      between which it interpolates (in [1, 16]; 1: the reused threshold
+      only, the refresh rule).
     min_ndim: leaves with fewer dimensions are sent whole (every nonzero
       value, in the same message), as DGC does for biases and normalisation
       parameters; 0 (the paper): every leaf is sparsified.

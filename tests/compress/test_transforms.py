@@ -210,8 +210,9 @@ def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band()
 @pytest.mark.parametrize("candidates", [1, 7])
 def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
   # Two groups; scales jump so that some steps drift out of the band. Within
-  # a group, on each worker, either every threshold is exact this step or none
-  # changed except by a candidate factor; and the exact count adds up by group.
+  # a group, on each worker, either every threshold is exact this step or each
+  # moved within the candidates' range (exactly a candidate with one); and the
+  # exact count adds up by group.
   density = 0.1
   groups = [ORDER[:2], ORDER[2:]]
   tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=100, order=ORDER, groups=groups,
@@ -220,7 +221,7 @@ def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
   steps = [random_grads(PARAMS, W, rng, scale=s) for s in (1.0, 1.0, 0.01, 1.0, 30.0, 1.0)]
   _, _, states = run_steps(tx, PARAMS, steps, W)
   paths = grouping.leaf_paths(PARAMS)
-  factors = set(engine.candidate_factors(candidates).tolist())
+  factors = engine.candidate_factors(candidates)
   residual = [np.zeros_like(x) for x in jax.tree_util.tree_leaves(steps[0])]
   previous, seen = None, set()
   for step, (grads, state) in enumerate(zip(steps, states)):
@@ -233,15 +234,16 @@ def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
         exact = [np.sort(np.abs(accumulated[i][w]).ravel())[::-1][
             max(1, int(np.ceil(density * accumulated[i][w].size))) - 1] for i in leaves]
         got = [thresholds[i][w] for i in leaves]
-        adapted = step > 0 and all(
-            any(np.float32(previous[i][w] * np.float32(f)) == thresholds[i][w] for f in factors)
-            for i in leaves)
-        if adapted:
-          seen.add("adapted")
-        else:
-          assert got == exact, (step, w, group)
+        if got == exact:
           exact_leaves += len(leaves)
           seen.add("exact")
+        else:
+          ratios = [thresholds[i][w] / previous[i][w] for i in leaves]
+          assert step > 0 and all(
+              factors[0] * (1 - 1e-6) <= r <= factors[-1] * (1 + 1e-6) for r in ratios), (
+                  step, w, group, ratios)
+          assert candidates > 1 or ratios == [1.0] * len(leaves), (step, w, group, ratios)
+          seen.add("adapted")
       assert int(state.stats.exact[w]) == exact_leaves, (step, w)
     previous = thresholds
     residual = jax.tree_util.tree_leaves(state.residuals)

@@ -281,6 +281,19 @@ def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settin
   assert not (tmp_path / "x").exists()
 
 
+def test_accuracy_trains_with_the_planned_groups_where_a_plan_exists(tmp_path):
+  # A plan named for the model, method and density goes to the training command;
+  # a configuration without one keeps one group per leaf.
+  accuracy = load("accuracy")
+  (tmp_path / "plan_resnet20_dlgs_0.01.json").write_text("{}")
+  args = accuracy.parse_args(["--plan-dir", str(tmp_path)])
+  planned = accuracy.train_command(args, "dlgs", 0.01, 0, tmp_path / "run")
+  assert planned[planned.index("--plan") + 1] == str(tmp_path / "plan_resnet20_dlgs_0.01.json")
+  assert "--plan" not in accuracy.train_command(args, "dlgs", 0.1, 0, tmp_path / "run")
+  assert "--plan" not in accuracy.train_command(accuracy.parse_args([]), "dlgs", 0.01, 0,
+                                                tmp_path / "run")
+
+
 @pytest.mark.slow
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "run_suite.py"), "--out-dir",

@@ -1,0 +1,118 @@
+"""Reused DLGS thresholds on a reuse step: adaptation and the group's recompute rule."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlgs_jax.compress import engine
+from dlgs_jax.compress import segmented
+
+DENSITY = 0.1
+# Leaves of one group: k = 500, 30, 7 and 2 values; all counted exactly (stride 1).
+SIZES = (5000, 300, 64, 16)
+
+
+def group_layout(sizes):
+  tree = {f"l{i}": jax.ShapeDtypeStruct((n,), jnp.float32) for i, n in enumerate(sizes)}
+  paths = [f"l{i}" for i in range(len(sizes))]
+  return engine.make_layout(tree, [paths], paths)
+
+
+def reuse_step(select, layout, leaves, previous, laid_out):
+  """`engine.step_thresholds` on a reuse step, jitted: (thresholds, exact leaves)."""
+  group = list(layout.groups[0])
+
+  @jax.jit
+  def run(leaves, previous):
+    values = segmented.values_of(leaves, segmented.segments_of(layout.sizes), laid_out)
+    thresholds, _, exact = engine.step_thresholds(select, layout, group, values, previous,
+                                                  jnp.asarray(False))
+    return thresholds, exact
+
+  return run([jnp.asarray(x) for x in leaves], jnp.asarray(previous, jnp.float32))
+
+
+def passing(x, t):
+  return int(np.sum((np.abs(x) >= t) & (x != 0)))
+
+
+def kth_largest(x, k):
+  return np.sort(np.abs(x))[::-1][k - 1]
+
+
+def adapted_reference(x, previous, k, candidates, refresh_below):
+  """NumPy: the threshold interpolated between the candidates that bracket sqrt(r) k."""
+  factors = engine.candidate_factors(candidates)
+  trials = np.float32(previous) * factors
+  counts = np.array([passing(x, t) for t in trials]) + 0.5
+  target = math.sqrt(refresh_below) * k
+  lo = min(max(int(np.sum(counts > target)) - 1, 0), len(factors) - 2)
+  rise = math.log(counts[lo]) - math.log(target)
+  span = math.log(counts[lo]) - math.log(counts[lo + 1])
+  part = rise / span if span > 0 else float(rise > 0)
+  return previous * factors[lo] * (factors[1] / factors[0]) ** min(max(part, 0.0), 1.0)
+
+
+@pytest.mark.parametrize("laid_out", [False, True])
+def test_adapted_thresholds_and_the_group_rule_match_numpy(laid_out):
+  # The previous thresholds are exact for another draw; this step's values are
+  # that draw rescaled, so the reused thresholds pass too few or too many.
+  # Every leaf's adapted threshold matches the NumPy interpolation, and the
+  # group recomputes exactly when, by NumPy, its leaves together pass fewer
+  # than half its k or one leaf more than twice its buffer.
+  layout = group_layout(SIZES)
+  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=7)
+  ks = [select.leaf_k(layout, leaf) for leaf in range(len(SIZES))]
+  rng = np.random.default_rng(0)
+  seen = set()
+  for scale in (0.2, 0.7, 1.0, 1.3, 4.0, 10.0):
+    old = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+    previous = np.array([kth_largest(x, k) for x, k in zip(old, ks)], np.float32)
+    leaves = [(scale * rng.standard_normal(n)).astype(np.float32) for n in SIZES]
+    got, exact = reuse_step(select, layout, leaves, previous, laid_out)
+    want = [adapted_reference(x, p, k, 7, 0.5) for x, p, k in zip(leaves, previous, ks)]
+    passed = np.array([passing(x, t) for x, t in zip(leaves, want)])
+    redo = (np.minimum(passed, ks).sum() < math.ceil(0.5 * sum(ks))
+            or np.any(passed > engine.OVERFLOW_FACTOR * np.array(ks)))
+    if redo:
+      np.testing.assert_array_equal(got, [kth_largest(x, k) for x, k in zip(leaves, ks)])
+    else:
+      np.testing.assert_allclose(got, want, rtol=2e-6)
+    assert int(exact) == len(SIZES) * redo, scale
+    seen.add(bool(redo))
+  assert seen == {True, False}
+
+
+@pytest.mark.parametrize("candidates,recomputes", [(7, False), (1, True)])
+def test_one_leaf_off_its_band_recomputes_the_group_only_under_the_refresh_rule(
+    candidates, recomputes):
+  # A small leaf's reused threshold passes nothing while the large leaf's
+  # passes about k: adapted thresholds keep the group's reuse (the leaf
+  # re-aims on the next step), the refresh rule recomputes the whole group.
+  layout = group_layout((10000, 16))
+  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=candidates)
+  rng = np.random.default_rng(1)
+  leaves = [rng.standard_normal(n).astype(np.float32) for n in (10000, 16)]
+  previous = np.array([kth_largest(leaves[0], 1000), 100.0], np.float32)
+  got, exact = reuse_step(select, layout, leaves, previous, laid_out=False)
+  assert int(exact) == (2 if recomputes else 0)
+  if recomputes:
+    np.testing.assert_array_equal(got, [kth_largest(leaves[0], 1000), kth_largest(leaves[1], 2)])
+  else:
+    assert passing(leaves[1], got[1]) == 0 and got[1] < previous[1]
+
+
+def test_a_leaf_far_over_its_buffer_recomputes_the_group():
+  # Every candidate of the small leaf passes all 64 values (buffer 7): more
+  # than twice the buffer, so the group takes exact thresholds.
+  layout = group_layout((5000, 64))
+  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=7)
+  rng = np.random.default_rng(2)
+  leaves = [rng.standard_normal(n).astype(np.float32) + 0.0 for n in (5000, 64)]
+  leaves[1] = np.sign(leaves[1]) * (1.0 + np.abs(leaves[1]))
+  previous = np.array([kth_largest(leaves[0], 500), 1e-3], np.float32)
+  got, exact = reuse_step(select, layout, leaves, previous, laid_out=True)
+  assert int(exact) == 2
+  np.testing.assert_array_equal(got, [kth_largest(leaves[0], 500), kth_largest(leaves[1], 7)])
