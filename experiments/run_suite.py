@@ -75,9 +75,14 @@ def full_steps() -> list[tuple[str, list[str]]]:
           model, 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-paper", rounds, steps, "--out-dir",
           f"{r}compare/batched/{model}_{link or '1gbit'}", plans=plans, bandwidth=link))
         for model, plans, rounds, steps in [("resnet20", "cluster_resnet20", 20, 3),
-                                            ("vgg16", "cluster", 6, 2),
-                                            ("resnet50", "cluster_resnet50", 6, 2)]
+                                            ("vgg16", "cluster", 6, 2)]
         for link in ["", "100mbit"]],
+      ("compare_group_rule_resnet20", compare(
+          "resnet20", 0.01, "dense,topk,dlgs,dlgs-paper", 20, 3, "--out-dir",
+          r + "compare/batched/resnet20_1gbit_group_rule", plans="cluster_resnet20")),
+      ("compare_group_rule_vgg16", compare(
+          "vgg16", 0.01, "dense,lags,dlgs,dlgs-paper", 6, 2, "--out-dir",
+          r + "compare/batched/vgg16_1gbit_group_rule", plans="cluster")),
       ("compare_resnet50_0.1", compare("resnet50", 0.1, "dense,lags,dlgs,dlgs-paper", 6, 2,
                                        "--out-dir", r + "compare/leafwise_resnet50_0.1",
                                        plans="cluster_resnet50")),
@@ -93,6 +98,9 @@ def full_steps() -> list[tuple[str, list[str]]]:
           e + "accuracy.py", "--methods", "dlgs-adapt,dlgs-refresh,dlgs-paper", "--densities",
           "0.1,0.01", "--seeds", str(seed), "--out-dir",
           f"runs/acc_select_seed{seed}", "--runs-dir", "runs/acc_select"]) for seed in range(3)],
+      ("accuracy_planned", [e + "accuracy.py", "--methods", "dlgs", "--densities", "0.1,0.01",
+                            "--seeds", "0,1,2", "--plan-dir", r + "cluster", "--runs-dir",
+                            "runs/acc_planned", "--out-dir", r + "accuracy_planned"]),
       ("accuracy_thresholds", [e + "accuracy.py", "--merge", ",".join(
           f"runs/acc_select_seed{seed}/results.json" for seed in range(3)),
           "--out-dir", r + "accuracy_thresholds"]),
