@@ -107,9 +107,14 @@ def train_command(args, method, density, seed, workdir):
              "--workdir", str(workdir), "--check-every", "0", "--keep", "1"]
   if args.data_dir:
     command += ["--data-dir", args.data_dir]
-  plan = Path(args.plan_dir or ".") / f"plan_{args.model}_{method}_{density:g}.json"
-  if args.plan_dir and plan.exists():
-    command += ["--plan", str(plan)]
+  if args.plan_dir:
+    if str(HERE) not in sys.path:
+      sys.path.insert(0, str(HERE))
+    from bench_cluster import plan_file
+
+    plan = plan_file(args.plan_dir, args.model, method, density)
+    if plan.exists():
+      command += ["--plan", str(plan)]
   return command
 
 

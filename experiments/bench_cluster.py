@@ -44,6 +44,11 @@ PREDICTABLE = tuple(METHODS) + tuple(VARIANTS)
 FIXED_COLLECTIVES = 2
 
 
+def plan_file(directory, model: str, method: str, density: float) -> Path:
+  """Where this script writes a plan, and where the comparisons and accuracy runs read it."""
+  return Path(directory) / f"plan_{model}_{method}_{density:g}.json"
+
+
 def require_update_costs(methods, profile) -> None:
   """Raises ValueError unless `profile` timed the update of each predictable method of `methods`.
 
@@ -185,7 +190,7 @@ def main(argv=None) -> int:
           if (method, density) not in runs:
             continue
           result_path = out / f"run_{model}_{method}_{density:g}.json"
-          plan_path = out / f"plan_{model}_{method}_{density:g}.json"
+          plan_path = plan_file(out, model, method, density)
           plan_args, predicted = [], None
           base = base_method(method)
           if method in PREDICTABLE:

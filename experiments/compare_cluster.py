@@ -227,7 +227,7 @@ def main(argv=None) -> int:
                      "measure it on the cluster)")
   if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-  from bench_cluster import profiled_methods, require_update_costs
+  from bench_cluster import plan_file, profiled_methods, require_update_costs
 
   if args.profile and not args.measure_profile:
     # Before the comparison runs, not after: a method the profile did not time
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
   plans = {}
   if args.plan_dir:
     for name in methods:
-      path = Path(args.plan_dir) / f"plan_{args.model}_{name}_{args.density:g}.json"
+      path = plan_file(args.plan_dir, args.model, name, args.density)
       if path.exists() and METHODS[base_method(exchange_of(name)[0])].takes_groups:
         plans[name] = path
   netns.exit_if_unavailable()
