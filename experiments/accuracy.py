@@ -10,6 +10,7 @@ collects each run's per-epoch test accuracy and loss.
     python experiments/accuracy.py --quick                 # 2 epochs, dense and dlgs only
     python experiments/accuracy.py --data-dir ~/data/cifar-10-batches-py --epochs 140
     python experiments/accuracy.py --methods dense,dlgs-head --densities 0.1 --seeds 0,1,2
+    python experiments/accuracy.py --methods dense,dlgs,dlgs@2l --densities 0.1 --node-size 2
     python experiments/accuracy.py --merge a/results.json,b/results.json --out-dir both
 
 Writes results.json, results.md and curves.png under --out-dir. A run whose
@@ -18,7 +19,9 @@ each), unless --rerun; one made by another command stops the script before
 any training, unless --rerun. Runs use one group per leaf unless --plan-dir
 gives planned groups: DLGS recomputes a group's thresholds together, so the
 grouping changes how often thresholds are exact (the timing benchmarks use
-planned groups).
+planned groups). A name ending in @2l trains that method in two levels
+(`compress.hierarchical`): the --workers devices as nodes of --node-size,
+dense inside a node, the method between nodes.
 With several seeds the table gives each configuration's mean and sample
 standard deviation, and its gap to dense taken seed by seed. --merge joins the
 results.json of runs made separately (e.g. one seed per job) into one table
@@ -41,6 +44,7 @@ from dlgs_jax.cli.train import method_flags
 from dlgs_jax.compress.selection import num_to_keep
 from dlgs_jax.workload import models
 from dlgs_jax.compress.methods import configurations, density_free
+from dlgs_jax.training.benchmark import exchange_of
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -68,6 +72,8 @@ def parse_args(argv=None):
   parser.add_argument("--plan-dir", help="train with bench_cluster.py's plans from this directory "
                       "(plan_<model>_<method>_<density>.json, where one exists): the planned "
                       "groups instead of one group per leaf")
+  parser.add_argument("--node-size", type=int, default=2,
+                      help="devices per node of the methods named with @2l (two-level)")
   parser.add_argument("--quick", action="store_true", help="2 epochs, dense and dlgs at 0.1")
   parser.add_argument("--rerun", action="store_true", help="train again even if a run exists")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "accuracy"))
@@ -96,9 +102,15 @@ def run_dir(runs: Path, model: str, name: str, seed: int) -> Path:
   return runs / f"{model}_{name}" if seed == 0 else runs / f"seed{seed}" / f"{model}_{name}"
 
 
-def train_command(args, method, density, seed, workdir):
+def free(name: str) -> bool:
+  """Whether a compared name (a method, a variant, either with @2l) takes no density."""
+  return density_free(exchange_of(name)[0])
+
+
+def train_command(args, name, density, seed, workdir):
   # Density-free methods (dense, terngrad) get no --density: their run, and so the
   # command that decides whether a finished run is reused, is the same for every density.
+  method, two_level = exchange_of(name)
   density_flags = [] if density_free(method) else ["--density", str(density)]
   command = [sys.executable, "-m", "dlgs_jax.cli.train", "--model", args.model,
              *method_flags(method), *density_flags, "--epochs", str(args.epochs),
@@ -107,18 +119,20 @@ def train_command(args, method, density, seed, workdir):
              "--workdir", str(workdir), "--check-every", "0", "--keep", "1"]
   if args.data_dir:
     command += ["--data-dir", args.data_dir]
+  if two_level:
+    command += ["--node-size", str(args.node_size)]
   if args.plan_dir:
     if str(HERE) not in sys.path:
       sys.path.insert(0, str(HERE))
     from bench_cluster import plan_file
 
-    plan = plan_file(args.plan_dir, args.model, method, density)
+    plan = plan_file(args.plan_dir, args.model, name, density)
     if plan.exists():
       command += ["--plan", str(plan)]
   return command
 
 
-def read_run(workdir: Path, model: str, density):
+def read_run(workdir: Path, model: str, density, fast_size: int = 1):
   """Per-epoch records and the summary of a finished run (with `threshold_stats` for DLGS)."""
   epochs, steps = [], []
   with open(workdir / "metrics.jsonl") as f:
@@ -131,16 +145,18 @@ def read_run(workdir: Path, model: str, density):
         steps.append(record)
   summary = json.loads((workdir / "summary.json").read_text())
   if density is not None and summary.get("method") == "dlgs" and steps:
-    summary["threshold_stats"] = threshold_stats(steps, model, density)
+    summary["threshold_stats"] = threshold_stats(steps, model, density, fast_size)
   return epochs, summary
 
 
-def threshold_stats(steps, model: str, density: float) -> dict:
+def threshold_stats(steps, model: str, density: float, fast_size: int = 1) -> dict:
   """Share of thresholds computed exactly, and values sent per step against k (sum of k_l).
 
-  Per step the metrics hold one worker's values sent and leaves recomputed.
+  Per step the metrics hold one worker's values sent and leaves recomputed; in
+  two levels (`fast_size` devices per node) a worker selects on its 1/fast_size
+  slice of each leaf, with that slice's k.
   """
-  sizes = [int(np.prod(leaf.shape))
+  sizes = [-(-int(np.prod(leaf.shape)) // fast_size)
            for leaf in jax.tree_util.tree_leaves(models.param_shapes(model))]
   k = sum(num_to_keep(density, size) for size in sizes)
   sent = np.array([step["selected"] for step in steps]) / k
@@ -152,7 +168,8 @@ def threshold_stats(steps, model: str, density: float) -> dict:
 
 
 # The settings that must agree for runs to be compared in one table.
-MERGE_KEYS = ("model", "workers", "epochs", "batch_size", "lr", "data", "plan_dir")
+MERGE_KEYS = ("model", "workers", "epochs", "batch_size", "lr", "data", "plan_dir",
+              "node_size")
 
 
 def merge_results(paths):
@@ -224,8 +241,9 @@ def main(argv=None) -> int:
   densities = [float(d) for d in args.densities.split(",")]
   plan = []
   for seed, (method, density) in ((seed, configuration) for seed in args.seeds
-                                  for configuration in configurations(methods, densities)):
-    name = method if density_free(method) else f"{method}_{density:g}"
+                                  for configuration in configurations(
+                                      methods, densities, base=lambda n: exchange_of(n)[0])):
+    name = method if free(method) else f"{method}_{density:g}"
     workdir = run_dir(runs, args.model, name, seed)
     plan.append((seed, method, density, name, workdir,
                  train_command(args, method, density, seed, workdir)))
@@ -249,14 +267,16 @@ def main(argv=None) -> int:
       print(f"== {label}: {time.time() - started:.0f} s", flush=True)
     else:
       print(f"== {label}: reusing {workdir}", flush=True)
-    epochs, summary = read_run(workdir, args.model, None if density_free(method) else density)
-    results.append({"method": method, "density": None if density_free(method) else density,
+    epochs, summary = read_run(workdir, args.model, None if free(method) else density,
+                               args.node_size if exchange_of(method)[1] else 1)
+    results.append({"method": method, "density": None if free(method) else density,
                     "seed": seed, "epochs": epochs, "summary": summary,
                     "command": "python -m dlgs_jax.cli.train " + " ".join(command[3:])})
   meta = {"command": command,
           "model": args.model, "workers": args.workers, "epochs": args.epochs,
           "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
           "plan_dir": args.plan_dir,
+          "node_size": args.node_size if any(exchange_of(m)[1] for m in methods) else None,
           "data": args.data_dir or "embedded CIFAR-10 subset (3,805 train / 761 test)"}
   write_report(results, meta, out)
   return 0

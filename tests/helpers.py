@@ -147,3 +147,31 @@ def wait_for_step(proc: subprocess.Popen, workdir, step: int, timeout: float = 3
     time.sleep(0.02)
   proc.kill()
   raise AssertionError(f"the run ended or stalled before step {step}: {proc.communicate()}")
+
+
+def smallcnn_plan(workers, fast_size=1):
+  """A DLGS plan (density 0.05) for smallcnn from a made-up profile: several groups.
+
+  Args:
+    workers: the workers between which messages go (nodes, with `fast_size`).
+    fast_size: devices per node of a two-level exchange; 1: flat.
+  """
+  from dlgs_jax.compress import grouping
+  from dlgs_jax.planning import planner
+  from dlgs_jax.planning.timeline import LinearCost, Profile
+  from dlgs_jax.training.plans import backward_order_of
+  from dlgs_jax.workload import models
+
+  model, shape = models.create_model("smallcnn")
+  variables = model.init(jax.random.key(0), jax.numpy.zeros((1,) + shape), train=False)
+  order = backward_order_of(model, variables["params"], variables["batch_stats"],
+                            (2,) + shape)
+  sizes = dict(zip(grouping.leaf_paths(variables["params"]),
+                   [int(x.size) for x in jax.tree_util.tree_leaves(variables["params"])]))
+  profile = Profile(
+      model="smallcnn", paths=order, sizes=[sizes[p] for p in order], t_forward=1e-3,
+      t_backward=[1e-4] * len(order), workers=workers,
+      sparsify={"dlgs": LinearCost(1e-4, 1e-9)},
+      comm={"allgather": LinearCost(1e-3, 1e-9)}, source="test")
+  fast = LinearCost(1e-5, 1e-10) if fast_size > 1 else None
+  return planner.make_plan(profile, "dlgs", 0.05, "optimal", fast_size=fast_size, fast_link=fast)

@@ -142,6 +142,9 @@ FLAGS = (
     Flag("--flat", "processes", "flat", "one data axis over all devices; by default several "
          "processes of several devices exchange densely inside a process and compress "
          "between processes", action="store_true"),
+    Flag("--node-size", "processes", "node_size", "devices per node of the two-level exchange: "
+         "consecutive processes' devices form a node (e.g. one process per GPU); default: "
+         "each process is a node", int),
     Flag("--workdir", "checkpoint", "workdir", "where the run writes"),
     Flag("--resume", "checkpoint", "resume", "continue from the latest checkpoint in --workdir",
          action="store_true"),

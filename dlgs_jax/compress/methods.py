@@ -369,10 +369,17 @@ def names(*, planner_prices: Optional[bool] = None, modelled: Optional[bool] = N
                and (wire_dtype is None or ("wire_dtype" in m.options) == wire_dtype))
 
 
-def configurations(methods: Sequence[str], densities: Sequence[float]) -> list[tuple[str, float]]:
-  """(method, density) pairs an experiment runs: density-free methods once (first density)."""
+def configurations(methods: Sequence[str], densities: Sequence[float],
+                   base: Callable[[str], str] = lambda name: name) -> list[tuple[str, float]]:
+  """(method, density) pairs an experiment runs: density-free methods once (first density).
+
+  Args:
+    methods: method or variant names, as the experiment names them.
+    densities: the densities, the first one the density-free methods' run.
+    base: an experiment's name -> the registry's (e.g. dropping an exchange suffix).
+  """
   return [(method, density) for density in densities for method in methods
-          if not density_free(method) or density == densities[0]]
+          if not density_free(base(method)) or density == densities[0]]
 
 
 def _check_number(option: str, value, low: float, high: float, low_open: bool = False) -> None:

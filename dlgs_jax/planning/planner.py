@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from dlgs_jax.planning.timeline import METHODS, MethodCosts, Profile, simulate
+from dlgs_jax.planning.timeline import METHODS, LinearCost, MethodCosts, Profile, simulate
 
 PLANNERS = ("wfbp", "single", "greedy", "optimal")
 
@@ -154,6 +154,11 @@ class Plan:
   predicted: dict[str, float]
   profile: dict[str, Any]
   profile_id: str
+  # Two-level exchange (`compress.hierarchical`): devices per node (1: flat);
+  # `workers` are then the nodes, and each group is selected and sent on its
+  # 1/fast_size slices. fast_link: {"alpha", "beta"} of the link inside a node.
+  fast_size: int = 1
+  fast_link: Optional[dict[str, float]] = None
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=1)
@@ -194,8 +199,15 @@ class Plan:
     return [[index[p] for p in g] for g in self.groups]
 
   def check_compatible(self, *, paths: Sequence[str], workers: int,
-                       model: Optional[str] = None) -> None:
-    """Raises ValueError unless the plan was made for these leaves and worker count."""
+                       model: Optional[str] = None, fast_size: int = 1) -> None:
+    """Raises ValueError unless the plan was made for these leaves and this exchange.
+
+    Args:
+      paths: the run's leaf paths.
+      workers: every worker of the run (nodes x devices per node).
+      model: the run's model, if checked.
+      fast_size: devices per node of a two-level exchange; 1: flat.
+    """
     if model is not None and model != self.model:
       raise ValueError(f"plan is for model {self.model!r}, not {model!r}")
     if sorted(paths) != sorted(self.order):
@@ -204,8 +216,16 @@ class Plan:
       raise ValueError(
           f"plan for model {self.model!r} does not match these parameters "
           f"(leaves not in the plan: {missing}, plan leaves not in the parameters: {extra})")
-    if workers != self.workers:
-      raise ValueError(f"plan was made for {self.workers} workers, this run has {workers}")
+    mine = _exchange(self.workers * self.fast_size, self.fast_size)
+    theirs = _exchange(workers, fast_size)
+    if mine != theirs:
+      raise ValueError(f"plan was made for {mine}, this run has {theirs}")
+
+
+def _exchange(workers: int, fast_size: int) -> str:
+  if fast_size == 1:
+    return f"{workers} workers"
+  return f"{workers // fast_size} nodes x {fast_size} devices (two-level, slices of 1/{fast_size})"
 
 
 def dlgs_exact_fraction(profile: Profile, method: str,
@@ -223,7 +243,8 @@ def dlgs_exact_fraction(profile: Profile, method: str,
 
 def make_plan(profile: Profile, method: str, density: float, planner: str, *,
               exact_fraction: Optional[float] = None,
-              whole_layers: Sequence[int] = (), wire_dtype: str = "float32") -> Plan:
+              whole_layers: Sequence[int] = (), wire_dtype: str = "float32",
+              fast_size: int = 1, fast_link: Optional[LinearCost] = None) -> Plan:
   """Runs `planner` on `profile` for `method` and packages the result.
 
   Args:
@@ -237,6 +258,9 @@ def make_plan(profile: Profile, method: str, density: float, planner: str, *,
     whole_layers: LAGS/DLGS: layers (positions in the profile's order) sent
       whole (`MethodCosts.whole_layers`).
     wire_dtype: the values' dtype on the wire (`MethodCosts.wire_dtype`).
+    fast_size, fast_link: a two-level exchange of nodes of `fast_size`
+      devices (`MethodCosts.fast_size`); the profile's workers and network are
+      then those between nodes.
 
   Raises:
     ValueError: for an unknown method or planner, or a bad density.
@@ -248,7 +272,8 @@ def make_plan(profile: Profile, method: str, density: float, planner: str, *,
   if not 0.0 < density <= 1.0:
     raise ValueError(f"density must be in (0, 1], got {density!r}")
   costs = MethodCosts(method, density, exact_fraction=exact_fraction,
-                      whole_layers=frozenset(whole_layers), wire_dtype=wire_dtype)
+                      whole_layers=frozenset(whole_layers), wire_dtype=wire_dtype,
+                      fast_size=fast_size, fast_link=fast_link)
   groups = PLANNER_FUNCTIONS[planner](profile, costs)
   timeline = simulate(profile, groups, costs)
   return Plan(
@@ -256,7 +281,8 @@ def make_plan(profile: Profile, method: str, density: float, planner: str, *,
       planner=planner, order=list(profile.paths),
       groups=[[profile.paths[i] for i in g] for g in groups],
       predicted=timeline.breakdown(), profile=profile.to_dict(),
-      profile_id=profile_id(profile))
+      profile_id=profile_id(profile), fast_size=fast_size,
+      fast_link=dataclasses.asdict(fast_link) if fast_link is not None else None)
 
 
 def broadcast_plan(plan: Optional[Plan]) -> Plan:

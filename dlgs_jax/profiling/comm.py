@@ -24,8 +24,12 @@ from dlgs_jax.profiling.timing import fit_linear, median_seconds
 
 
 
+COMM_KINDS = ("allreduce", "allgather", "gtopk")
+
+
 def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
-                 repeats: int = 5, chain: int = 8
+                 repeats: int = 5, chain: int = 8, axis: Optional[str] = None,
+                 kinds: Sequence[str] = COMM_KINDS
                  ) -> tuple[dict[str, LinearCost], dict[str, list]]:
   """Fits collective costs on `mesh` against bytes sent per worker.
 
@@ -39,13 +43,17 @@ def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
   emulated cluster where LAGS's 59 collectives per step cost ~5.9 ms each.
 
   Args:
-    mesh: the mesh whose collectives are timed (one axis).
+    mesh: the mesh whose devices all take part.
     sizes: leaf sizes (elements); the sparse messages hold
       ``num_to_keep(density, size)`` values.
     density: fraction of values the sparse collectives send.
     repeats: timed calls per measurement.
     chain: collectives per program for the latency; 1 keeps the latency of
       the least-squares fit over lone collectives.
+    axis: the axis the collectives run over (default: the mesh's first); on a
+      node mesh, "node" times the exchange between nodes with every device of
+      a node exchanging at once (they share its link), "local" the fast link.
+    kinds: the collectives timed, among `COMM_KINDS`.
 
   Returns:
     (costs per collective kind, the raw measurements: ``(bytes, seconds)``
@@ -54,10 +62,15 @@ def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
   """
   if chain < 1:
     raise ValueError(f"chain must be >= 1, got {chain}")
-  axis = mesh.axis_names[0]
-  workers = mesh.devices.size
-  spec = PartitionSpec(axis)
-  raw = {"allreduce": [], "allgather": [], "gtopk": []}
+  axis = mesh.axis_names[0] if axis is None else axis
+  if axis not in mesh.axis_names:
+    raise ValueError(f"axis {axis!r} is not one of the mesh's axes {mesh.axis_names}")
+  unknown = sorted(set(kinds) - set(COMM_KINDS))
+  if unknown or not kinds:
+    raise ValueError(f"kinds must be among {COMM_KINDS}, got {list(kinds)!r}")
+  workers, devices = mesh.shape[axis], mesh.devices.size
+  spec = PartitionSpec(tuple(mesh.axis_names))
+  raw = {kind: [] for kind in kinds}
   rng = np.random.default_rng(0)
 
   def wrap(fn):
@@ -70,18 +83,18 @@ def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
     def repeated(collective):
       return wrap(lambda v, i: sum(collective(v + j, i) for j in range(copies)))
 
-    return {
-        "allreduce": repeated(lambda v, i: collectives.dense_mean(v, axis_name=axis)),
-        "allgather": repeated(lambda v, i: collectives.sparse_allgather_mean(
-            v[:k], i, size, axis_name=axis)),
-        "gtopk": repeated(lambda v, i: collectives.gtopk_mean(
-            v, v[:k], i, k, axis_name=axis)[0]),
+    every = {
+        "allreduce": lambda v, i: collectives.dense_mean(v, axis_name=axis),
+        "allgather": lambda v, i: collectives.sparse_allgather_mean(v[:k], i, size,
+                                                                   axis_name=axis),
+        "gtopk": lambda v, i: collectives.gtopk_mean(v, v[:k], i, k, axis_name=axis)[0],
     }
+    return {kind: repeated(every[kind]) for kind in kinds}
 
   def inputs(size, k):
-    x = parallel.shard_batch(rng.standard_normal((workers, size)).astype(np.float32), mesh)
+    x = parallel.shard_batch(rng.standard_normal((devices, size)).astype(np.float32), mesh)
     idx = parallel.shard_batch(
-        np.stack([rng.choice(size, k, replace=False) for _ in range(workers)]).astype(np.int32),
+        np.stack([rng.choice(size, k, replace=False) for _ in range(devices)]).astype(np.int32),
         mesh)
     return x, idx
 

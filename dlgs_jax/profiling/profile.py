@@ -66,6 +66,11 @@ from dlgs_jax.profiling.update import UPDATE_BATCHES, UPDATE_METHODS, fit_update
 
 
 
+def comm_grid(total: int) -> list[int]:
+  """Message sizes (elements) the collectives are timed at, for a model of `total` values."""
+  return sorted({int(s) for s in np.geomspace(4096, max(total, 8192), 5)})
+
+
 def profile_model(name: str, *, density: float, batch_size: int = 32,
                   image_size: Optional[int] = None, mesh: Optional[Mesh] = None,
                   reuse_every: int = 10, repeats: int = 5, seed: int = 0,
@@ -74,6 +79,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
                   batches: Optional[tuple[np.ndarray, np.ndarray]] = None,
                   barrier: Optional[Callable[[], Any]] = None,
                   in_step_rounds: int = IN_STEP_ROUNDS,
+                  comm_axis: Optional[str] = None,
                   progress: Callable[[str], None] = lambda message: None) -> tuple[Profile, dict]:
   """Measures a full profile of model `name` on this machine.
 
@@ -104,6 +110,9 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
       each update cost is scaled to what the train step pays for it where
       those rounds resolve it (`in_step_factors`); 0 keeps the standalone
       costs.
+    comm_axis: the mesh axis the workers exchange over (default: the mesh's
+      first); on a node mesh "node" profiles the exchange between nodes (the
+      profile's workers are then the nodes).
     progress: called with a message before each phase.
 
   Returns:
@@ -149,12 +158,13 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     in_step = in_step_factors(in_step_raw, whole_model_update(sparsify, compute["sizes"]))
     sparsify = scale_update_costs(sparsify, in_step, reuse_every)
   mesh = mesh or parallel.data_mesh()
-  workers = int(mesh.devices.size)
+  comm_axis = mesh.axis_names[0] if comm_axis is None else comm_axis
+  workers = int(mesh.shape[comm_axis])
   comm, comm_raw = {}, {}
   if workers > 1:
     progress(f"timing collectives on {workers} workers")
-    comm_grid = sorted({int(s) for s in np.geomspace(4096, max(total, 8192), 5)})
-    comm, comm_raw = measure_comm(mesh, comm_grid, density, repeats=repeats)
+    comm, comm_raw = measure_comm(mesh, comm_grid(total), density, repeats=repeats,
+                                  axis=comm_axis)
   fraction = None
   if "dlgs" in methods and refresh_below is not None:
     progress("measuring how often DLGS's refresh rule recomputes thresholds")

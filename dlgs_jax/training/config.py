@@ -126,6 +126,9 @@ class ProcessConfig:
     flat: one data axis over every device. By default several processes
       (nodes) of several devices each run the two-level exchange: dense inside
       a process, the method between processes (`compress.hierarchical`).
+    node_size: devices per node of the two-level exchange (consecutive
+      processes' devices form a node, e.g. one process per GPU); None: each
+      process is a node. 1, or every device in one node, runs flat.
   """
   workers: Optional[int] = None
   coordinator: Optional[str] = None
@@ -133,6 +136,7 @@ class ProcessConfig:
   process_id: Optional[int] = None
   local_devices: Optional[int] = None
   flat: bool = False
+  node_size: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +172,8 @@ FREE_OPTIONS = frozenset({
     "checkpoint.keep", "checkpoint.stop_after", "checkpoint.check_every",
     "checkpoint.nonfinite_limit",
     "processes.workers", "processes.coordinator", "processes.num_processes",
-    "processes.process_id", "processes.local_devices", "data.eval_batch_size",
+    "processes.process_id", "processes.local_devices", "processes.node_size",
+    "data.eval_batch_size",
     "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
     "plan.latency"})
 
@@ -262,7 +267,8 @@ def _validate_counts(config: RunConfig) -> None:
   for option, value, low in (("steps", schedule.steps, 1), ("image_size", data.image_size, 8),
                              ("workers", processes.workers, 1),
                              ("num_processes", processes.num_processes, 1),
-                             ("process_id", processes.process_id, 0)):
+                             ("process_id", processes.process_id, 0),
+                             ("node_size", processes.node_size, 1)):
     if value is not None:
       _check_int(option, value, low)
   if processes.local_devices is not None:
@@ -299,6 +305,9 @@ def _validate_run(config: RunConfig) -> None:
                       f"planning applies to dense, lags and dlgs, not {method.name}")
   if plan.plan and plan.planner != "none":
     raise ConfigError("plan", plan.plan, "give either --plan or --planner, not both")
+  if config.processes.flat and config.processes.node_size is not None:
+    raise ConfigError("node_size", config.processes.node_size,
+                      "a flat exchange has no nodes: give either --flat or --node-size")
 
 
 def load_config(path: str) -> RunConfig:

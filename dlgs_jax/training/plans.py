@@ -2,7 +2,11 @@
 
 A plan is made on process 0 (from a given profile, or one measured on the run's
 own mesh, optionally re-priced for a modelled network) and broadcast, so every
-process sends the same messages.
+process sends the same messages. With the two-level exchange (a node mesh) the
+plan groups each device's slices: the network it prices is the one between
+nodes (measured over the node axis with every device exchanging at once, or
+modelled with the node's link shared by its devices) plus the fast link inside
+a node (measured over the local axis).
 """
 
 from __future__ import annotations
@@ -57,21 +61,43 @@ def make_or_load_plan(config: RunConfig, mesh, paths: Sequence[str], workers: in
     raise PlanError(f"the plan was made for method {plan.method!r}, "
                     f"this run uses {config.method.name!r}")
   try:
-    plan.check_compatible(paths=paths, workers=workers)
+    plan.check_compatible(paths=paths, workers=workers, fast_size=_fast_size(mesh))
   except ValueError as e:
     raise PlanError(str(e)) from None
   return plan
+
+
+def _fast_size(mesh) -> int:
+  """Devices per node of a node mesh's two-level exchange; 1 for a flat mesh."""
+  return mesh.shape["local"] if len(mesh.axis_names) == 2 else 1
+
+
+def _fast_link(config: RunConfig, mesh, total: int, log):
+  """The fast link's α-β cost inside a node, measured over the local axis (every process)."""
+  from dlgs_jax import profiling
+
+  log(f"timing the all-reduce inside a node ({_fast_size(mesh)} devices) for the planner ...")
+  costs, _ = profiling.measure_comm(mesh, profiling.comm_grid(total), config.method.density,
+                                    axis="local", kinds=("allreduce",))
+  return costs["allreduce"]
 
 
 def _profile(config: RunConfig, mesh, workers: int, log) -> Profile:
   from dlgs_jax import profiling
 
   settings, method = config.plan, config.method
+  fast_size = _fast_size(mesh)
+  between = workers // fast_size
   if settings.profile:
     profile = _load(Profile.load, "profile", settings.profile)
     if profile.model != config.model.name:
       raise PlanError(f"--profile {settings.profile} is for model {profile.model!r}, "
                       f"not {config.model.name!r}")
+    if fast_size > 1 and not settings.bandwidth:
+      log("measuring the collectives between nodes for the planner ...")
+      comm, _ = profiling.measure_comm(mesh, profiling.comm_grid(sum(profile.sizes)),
+                                       method.density, axis="node")
+      profile = profile.with_comm(comm, between, f"measured between {between} nodes")
   else:
     log(f"profiling {config.model.name} for the planner (every process measures; process 0's "
         "profile is used) ...")
@@ -79,12 +105,14 @@ def _profile(config: RunConfig, mesh, workers: int, log) -> Profile:
         config.model.name, density=method.density, batch_size=config.data.batch_size,
         image_size=config.data.image_size, mesh=mesh, reuse_every=method.reuse_every,
         seed=config.seed, refresh_below=method.refresh_below if method.name == "dlgs" else None,
-        methods=(method.name,))
+        methods=(method.name,), comm_axis="node" if fast_size > 1 else None)
   if settings.bandwidth:
+    # A node's devices share its link: each gets 1/fast_size of it.
     profile = profile.with_comm(
-        network.network_comm(workers, network.parse_bandwidth(settings.bandwidth),
+        network.network_comm(between, network.parse_bandwidth(settings.bandwidth) / fast_size,
                              settings.latency),
-        workers, f"network modelled: {settings.bandwidth} links")
+        between, f"network modelled: {settings.bandwidth} links"
+        + (f" shared by {fast_size} devices" if fast_size > 1 else ""))
   return profile
 
 
@@ -94,6 +122,8 @@ def _plan_here(config: RunConfig, mesh, workers: int, log) -> Optional[planner.P
   from dlgs_jax.workload import models
 
   profile = _profile(config, mesh, workers, log)
+  fast_size = _fast_size(mesh)
+  fast_link = _fast_link(config, mesh, sum(profile.sizes), log) if fast_size > 1 else None
   if jax.process_index() != 0:
     return None
   method = config.method
@@ -107,4 +137,5 @@ def _plan_here(config: RunConfig, mesh, workers: int, log) -> Optional[planner.P
   return planner.make_plan(profile, method.name, method.density, config.plan.planner,
                            exact_fraction=fraction,
                            whole_layers=method.whole_layers(profile.paths, shapes),
-                           wire_dtype=method.wire_dtype)
+                           wire_dtype=method.wire_dtype, fast_size=fast_size,
+                           fast_link=fast_link)

@@ -12,7 +12,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dlgs_jax.compress.optimizer import build_optimizer
 from dlgs_jax.training.config import CIFAR_MODELS, INT32_MAX, RunConfig
@@ -97,21 +97,43 @@ def _mesh_and_data(config: RunConfig):
     train_set, test_set, dataset_name, pad = load_data(config, model_shape)
   except ValueError as e:
     raise RunError(f"data: {e}") from None
+  node_size, note = node_size_of(config)
   try:
-    mesh = (parallel.node_mesh() if two_level_exchange(config)
+    mesh = (parallel.node_mesh(node_size) if node_size is not None
             else parallel.data_mesh(config.processes.workers))
   except ValueError as e:
-    raise RunError(f"--workers: {e}") from None
-  return train_set, test_set, dataset_name, pad, mesh
+    option = "--node-size" if config.processes.node_size is not None else "--workers"
+    raise RunError(f"{option}: {e}") from None
+  return train_set, test_set, dataset_name, pad, mesh, note
 
 
-def two_level_exchange(config: RunConfig) -> bool:
-  """Whether the run exchanges in two levels: several processes of several devices, all used."""
+def node_size_of(config: RunConfig) -> tuple[Optional[int], Optional[str]]:
+  """Devices per node of the two-level exchange (None: flat), and why it runs flat if it does.
+
+  The exchange is two-level when the nodes are given (`--node-size`), or when
+  several processes of several devices each are all used (each process a node).
+
+  Raises:
+    RunError: for `--node-size` with `--workers` less than every device.
+  """
   import jax
 
   processes, local = jax.process_count(), jax.local_device_count()
-  every_device = config.processes.workers in (None, processes * local)
-  return not config.processes.flat and processes > 1 and local > 1 and every_device
+  total, given = processes * local, config.processes.node_size
+  every_device = config.processes.workers in (None, total)
+  if config.processes.flat:
+    return None, None
+  if given is None:
+    return (local if processes > 1 and local > 1 and every_device else None), None
+  if not every_device:
+    raise RunError(f"--node-size {given}: the two-level exchange uses every device "
+                   f"({total}), not --workers {config.processes.workers}")
+  if given == 1:
+    return None, "--node-size 1: one device per node, so the exchange is flat"
+  if given == total:
+    return None, (f"--node-size {given}: every device is in one node, nothing crosses a "
+                  f"slow link, so the exchange is flat")
+  return given, None
 
 
 def build_run(config: RunConfig) -> Run:
@@ -124,12 +146,9 @@ def build_run(config: RunConfig) -> Run:
   from dlgs_jax.compress import grouping
   from dlgs_jax.workload import data, losses, models, parallel
 
-  train_set, test_set, dataset_name, pad, mesh = _mesh_and_data(config)
+  train_set, test_set, dataset_name, pad, mesh, note = _mesh_and_data(config)
   two_level = len(mesh.axis_names) == 2
   axis, workers = parallel.data_axes(mesh), int(mesh.devices.size)
-  if two_level and (config.plan.planner != "none" or config.plan.plan):
-    raise RunError("the two-level exchange (several processes of several devices) plans no "
-                   "layer merging yet: give --planner none without --plan, or --flat")
   model, _ = models.create_model(config.model.name, num_classes=train_set.num_classes,
                                  bn_axis_name=axis if config.model.sync_bn else None)
   try:
@@ -149,6 +168,8 @@ def build_run(config: RunConfig) -> Run:
                             variables.get("batch_stats", {}), sample.shape)
   leader = jax.process_index() == 0
   log = (lambda m: print(m, flush=True)) if leader else (lambda m: None)
+  if note:
+    log(note)
   plan = make_or_load_plan(config, mesh, grouping.leaf_paths(variables["params"]), workers, log)
   warmup = dgc_warmup_steps(config, spe, total_steps)
   tx = build_optimizer(config.method, config.optimizer, axis_name=axis, schedule=schedule,

@@ -34,11 +34,22 @@ def data_mesh(num_workers: Optional[int] = None, axis_name: str = "data") -> Mes
   return Mesh(np.asarray(devices[:num_workers]), (axis_name,))
 
 
-def node_mesh(axis_names=("node", "local")) -> Mesh:
-  """A 2-D mesh: one row per process (node), its devices along the second axis.
+def node_mesh(node_size: Optional[int] = None, axis_names=("node", "local")) -> Mesh:
+  """A 2-D mesh of nodes (rows) by the devices of a node (the second axis).
+
+  Devices are taken in process order (each process's as `jax.devices` lists them) and cut
+  into rows of `node_size`: with one process per GPU (SLURM's one task per GPU,
+  block distribution) a node's processes are consecutive, so their GPUs share a
+  row; with one process per node, a row is a process.
+
+  Args:
+    node_size: devices per node; None: each process is a node.
+    axis_names: (node axis, local axis).
 
   Raises:
-    ValueError: when processes hold different numbers of devices.
+    ValueError: when processes hold different numbers of devices, or
+      `node_size` does not divide the devices or would split a process's
+      devices over nodes where a node holds several processes.
   """
   by_process: dict[int, list] = {}
   for device in jax.devices():
@@ -48,8 +59,16 @@ def node_mesh(axis_names=("node", "local")) -> Mesh:
     raise ValueError(f"processes hold different numbers of devices "
                      f"({ {p: len(d) for p, d in sorted(by_process.items())} }); a node mesh "
                      f"needs the same number in each")
-  rows = [by_process[p] for p in sorted(by_process)]
-  return Mesh(np.asarray(rows), tuple(axis_names))
+  local = counts.pop()
+  devices = [d for p in sorted(by_process) for d in by_process[p]]
+  node_size = local if node_size is None else node_size
+  if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+    raise ValueError(f"node_size must be an integer >= 1, got {node_size!r}")
+  if len(devices) % node_size or (node_size % local and local % node_size):
+    raise ValueError(f"node_size {node_size} does not cut {len(by_process)} processes of "
+                     f"{local} devices into whole nodes: give a divisor of {len(devices)} "
+                     f"that is a multiple or divisor of {local}")
+  return Mesh(np.asarray(devices, dtype=object).reshape(-1, node_size), tuple(axis_names))
 
 
 def per_worker_sharding(mesh: Mesh) -> NamedSharding:

@@ -18,9 +18,8 @@ from dlgs_jax.planning import planner
 from dlgs_jax.cli import train
 from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.training.config import SECTIONS, load_config
-from dlgs_jax.training.plans import backward_order_of
-from dlgs_jax.planning.timeline import LinearCost, Profile
-from tests.helpers import child_env, params_shas, wait_for_step
+from dlgs_jax.planning.timeline import Profile
+from tests.helpers import child_env, params_shas, smallcnn_plan, wait_for_step
 
 SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
 
@@ -144,21 +143,6 @@ def test_one_run_per_workdir_and_a_dead_runs_lock_is_recovered(tmp_path):
   assert "resumed from step" in resumed.stdout and "after 2 steps at step" in resumed.stdout
 
 
-def smallcnn_plan(workers):
-  model, shape = models.create_model("smallcnn")
-  variables = model.init(jax.random.key(0), jax.numpy.zeros((1,) + shape), train=False)
-  order = backward_order_of(model, variables["params"], variables["batch_stats"],
-                            (2,) + shape)
-  sizes = dict(zip(grouping.leaf_paths(variables["params"]),
-                   [int(x.size) for x in jax.tree_util.tree_leaves(variables["params"])]))
-  profile = Profile(
-      model="smallcnn", paths=order, sizes=[sizes[p] for p in order], t_forward=1e-3,
-      t_backward=[1e-4] * len(order), workers=workers,
-      sparsify={"dlgs": LinearCost(1e-4, 1e-9)},
-      comm={"allgather": LinearCost(1e-3, 1e-9)}, source="test")
-  return planner.make_plan(profile, "dlgs", 0.05, "optimal")
-
-
 @pytest.mark.slow
 def test_plan_file_is_used_and_checked(tmp_path):
   plan = smallcnn_plan(workers=2)
@@ -195,6 +179,54 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
   assert f"{profile.dlgs_exact_fraction:.0%} of thresholds computed exactly" in result.stdout
 
 
+@pytest.mark.slow
+def test_nodes_of_devices_train_with_a_plan_of_slices_and_refuse_another_layout(tmp_path):
+  """4 devices of one process as 2 nodes x 2 (--node-size): a two-level plan runs; a flat
+  plan, the same plan on a flat run, and sizes that do not cut the devices are named."""
+  two_level, flat = smallcnn_plan(workers=2, fast_size=2), smallcnn_plan(workers=4)
+  two_level.save(tmp_path / "nodes.json")
+  flat.save(tmp_path / "flat.json")
+  args = [*SMALL, "--density", "0.05", "--steps", "2", "--local-devices", "4"]
+  ok = run_cli([*args, "--node-size", "2", "--plan", str(tmp_path / "nodes.json"),
+                "--workdir", str(tmp_path / "a")])
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  assert "two-level exchange: 2 nodes x 2 devices" in ok.stdout
+  summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+  assert summary["plan_groups"] == len(two_level.groups) and summary["workers"] == 4
+  refused = {
+      "flat plan": (["--node-size", "2", "--plan", str(tmp_path / "flat.json")],
+                    "plan was made for 4 workers, this run has 2 nodes x 2 devices (two-level"),
+      "flat run": (["--plan", str(tmp_path / "nodes.json")],
+                   "plan was made for 2 nodes x 2 devices (two-level, slices of 1/2), this run "
+                   "has 4 workers"),
+      "size 3": (["--node-size", "3"], "--node-size: node_size 3 does not cut 1 processes of 4 "
+                 "devices into whole nodes"),
+      "few workers": (["--node-size", "2", "--workers", "2"], "--node-size 2: the two-level "
+                      "exchange uses every device (4), not --workers 2")}
+  for name, (flags, message) in refused.items():
+    result = run_cli([*args, *flags, "--workdir", str(tmp_path / name)])
+    assert result.returncode != 0 and message in result.stderr, (name, result.stderr[-2000:])
+  one = run_cli([*args, "--node-size", "1", "--workdir", str(tmp_path / "one")])
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert one.stdout.count("--node-size 1: one device per node, so the exchange is flat") == 1
+  assert "two-level" not in one.stdout
+
+
+@pytest.mark.slow
+def test_the_planner_plans_slices_between_nodes_on_the_fly(tmp_path):
+  result = run_cli([*SMALL, "--local-devices", "4", "--node-size", "2", "--steps", "2",
+                    "--planner", "greedy", "--bandwidth", "1gbit", "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stderr[-3000:]
+  plan = planner.Plan.load(tmp_path / "plan.json")
+  assert (plan.workers, plan.fast_size) == (2, 2) and plan.fast_link["beta"] > 0
+  assert "timing the all-reduce inside a node (2 devices)" in result.stdout
+  # Between nodes the modelled link is shared by a node's 2 devices: 1 Gbit/s / 2 each.
+  profile = Profile.from_dict(plan.profile)
+  assert profile.workers == 2 and "shared by 2 devices" in profile.source
+  assert profile.comm["allgather"].beta == pytest.approx(8 / 0.5e9)
+  assert "planned groups (greedy)" in result.stdout
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--density", "0"], "--density 0.0 is invalid"),
     (["--method", "sgd"], "--method 'sgd' is invalid"),
@@ -221,6 +253,8 @@ def test_planner_profiles_and_plans_on_the_fly(tmp_path):
     (["--latency", "nan"], "--latency nan is invalid"),
     (["--image-size", "0"], "--image-size 0 is invalid: must be an integer in [8,"),
     (["--local-devices", "5000"], "--local-devices 5000 is invalid"),
+    (["--node-size", "0"], "--node-size 0 is invalid: must be an integer in [1,"),
+    (["--flat", "--node-size", "2"], "--node-size 2 is invalid: a flat exchange has no nodes"),
     (["--bandwidth", "foo"], "--bandwidth 'foo' is invalid: bandwidth must look like"),
     (["--plan", "/nonexistent/plan.json"], "--plan '/nonexistent/plan.json' is invalid: no such"),
     (["--nonfinite-limit", "0"], "--nonfinite-limit 0 is invalid"),

@@ -20,7 +20,7 @@ import pytest
 from dlgs_jax.cli import launch as launch_cli
 from dlgs_jax.cluster import launch
 from dlgs_jax.cluster.launch import free_port
-from tests.helpers import child_env, params_shas, run_group, wait_for_step
+from tests.helpers import child_env, params_shas, run_group, smallcnn_plan, wait_for_step
 
 pytestmark = pytest.mark.multiprocess
 
@@ -96,7 +96,8 @@ def stop_and_resume(launch, tmp_path) -> str:
 
 def test_processes_of_several_devices_exchange_in_two_levels_and_resume_bit_identical(tmp_path):
   """2 processes x 2 devices: dense inside a process, DLGS between them; per-slice
-  residuals checkpointed and resumed exactly; a resume that would go flat is refused."""
+  residuals checkpointed and resumed exactly; a resume that would go flat is refused;
+  a plan of slices groups the messages."""
   args = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05", "--density", "0.05",
           "--steps", "6", "--check-every", "2"]
 
@@ -109,11 +110,15 @@ def test_processes_of_several_devices_exchange_in_two_levels_and_resume_bit_iden
                         env=child_env(), capture_output=True, text=True, timeout=600)
   assert flat.returncode != 0
   assert "exchange: checkpoint 'two-level 2x2', this run 'flat'" in flat.stdout, flat.stdout[-3000:]
-  planned = subprocess.run(launch("--workdir", str(tmp_path / "planned"), "--planner", "optimal"),
+  # A plan of slices between 2 nodes of 2 devices: its groups are the messages.
+  plan = smallcnn_plan(workers=2, fast_size=2)
+  plan.save(tmp_path / "plan.json")
+  planned = subprocess.run(launch("--workdir", str(tmp_path / "planned"), "--plan",
+                                  str(tmp_path / "plan.json")),
                            env=child_env(), capture_output=True, text=True, timeout=600)
-  assert planned.returncode != 0
-  assert "the two-level exchange (several processes of several devices) plans no layer merging" \
-      in planned.stdout, planned.stdout[-3000:]
+  assert planned.returncode == 0, planned.stdout[-3000:]
+  summary = json.loads((tmp_path / "planned" / "summary.json").read_text())
+  assert summary["plan_groups"] == len(plan.groups) > 1 and summary["processes"] == 2
 
 
 def test_a_failing_process_stops_the_others(tmp_path):
@@ -206,6 +211,19 @@ def test_slurm_variables_start_jax_distributed(tmp_path):
   assert "2 workers (2 processes)" in outputs[0]
 
 
+def test_one_process_per_device_with_a_node_size_exchanges_in_two_levels(tmp_path):
+  """SLURM's one task per GPU: 4 processes of one device, --node-size 2 makes processes
+  0-1 and 2-3 the two nodes; every process ends with the same parameters."""
+  out = subprocess.run(
+      [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "4", "--local-devices", "1",
+       "--", *TRAIN, "--steps", "2", "--node-size", "2", "--workdir", str(tmp_path)],
+      env=child_env(), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:]
+  assert "two-level exchange: 2 nodes x 2 devices" in out.stdout
+  values = set(params_shas(out.stdout).values())
+  assert len(params_shas(out.stdout)) == 4 and len(values) == 1
+
+
 def test_sbatch_script_refuses_outside_slurm_and_runs_srun(tmp_path):
   script = ROOT / "scripts" / "cluster" / "train.sbatch"
   env = child_env()
@@ -221,12 +239,25 @@ def test_sbatch_script_refuses_outside_slurm_and_runs_srun(tmp_path):
   srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
   env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="7",
              SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[1-2]",
-             DLGS_PYTHON="/opt/py")
-  inside = subprocess.run(["bash", str(script), "--model", "vgg16", "--resume"], env=env,
-                          capture_output=True, text=True)
-  assert inside.returncode == 0, inside.stderr
-  assert (tmp_path / "srun_args").read_text().split("\n")[:-1] == [
-      "--kill-on-bad-exit=1", "/opt/py", "-m", "dlgs_jax.cli.train", "--model", "vgg16", "--resume"]
+             SLURM_NTASKS_PER_NODE="8", DLGS_PYTHON="/opt/py")
+
+  def srun_args(*args, **extra):
+    inside = subprocess.run(["bash", str(script), *args], env={**env, **extra},
+                            capture_output=True, text=True)
+    assert inside.returncode == 0, inside.stderr
+    return (tmp_path / "srun_args").read_text().split("\n")[:-1]
+
+  start = ["--kill-on-bad-exit=1", "--distribution=block", "/opt/py", "-m", "dlgs_jax.cli.train"]
+  # Several nodes of 8 tasks: each node's 8 tasks form a node of the two-level exchange.
+  assert srun_args("--model", "vgg16", "--resume") == [
+      *start, "--model", "vgg16", "--resume", "--node-size", "8"]
+  assert srun_args("--model", "vgg16", "--flat") == [*start, "--model", "vgg16", "--flat"]
+  assert srun_args("--node-size", "4") == [*start, "--node-size", "4"]
+  assert srun_args("--model", "vgg16", SLURM_JOB_NUM_NODES="1") == [*start, "--model", "vgg16"]
+  odd = subprocess.run(["bash", str(script)], env={**env, "SLURM_NTASKS_PER_NODE": "8(x2)"},
+                       capture_output=True, text=True)
+  assert odd.returncode == 2 and "SLURM_NTASKS_PER_NODE must be one number, got '8(x2)'" \
+      in odd.stderr
   text = script.read_text()
   tasks = int(text.split("--ntasks-per-node=")[1].split()[0])
   gpus = int(text.split("--gpus-per-node=")[1].split()[0])

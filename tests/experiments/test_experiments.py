@@ -294,6 +294,28 @@ def test_accuracy_trains_with_the_planned_groups_where_a_plan_exists(tmp_path):
                                                 tmp_path / "run")
 
 
+def test_accuracy_trains_a_name_with_2l_in_two_levels_and_counts_its_slices_k(tmp_path):
+  # dlgs@2l: the same method with --node-size; its k per step is that of its slices.
+  accuracy = load("accuracy")
+  args = accuracy.parse_args(["--node-size", "2"])
+  two = accuracy.train_command(args, "dlgs@2l", 0.1, 0, tmp_path / "run")
+  flat = accuracy.train_command(args, "dlgs", 0.1, 0, tmp_path / "run")
+  assert two[two.index("--node-size") + 1] == "2" and "--node-size" not in flat
+  assert [f for f in two if f not in ("--node-size", "2")] == flat
+  assert accuracy.free("dense@2l") and not accuracy.free("dlgs@2l")
+  assert [c for c, _ in accuracy.configurations(
+      ["dense@2l", "dlgs@2l"], [0.1, 0.01], base=lambda n: accuracy.exchange_of(n)[0])] == [
+          "dense@2l", "dlgs@2l", "dlgs@2l"]
+  sizes = [int(np.prod(x.shape)) for x in
+           accuracy.jax.tree_util.tree_leaves(accuracy.models.param_shapes("resnet20"))]
+  k_slices = sum(accuracy.num_to_keep(0.1, -(-n // 2)) for n in sizes)
+  steps = [{"selected": k_slices, "exact": len(sizes)}, {"selected": k_slices // 2, "exact": 0}]
+  stats = accuracy.threshold_stats(steps, "resnet20", 0.1, fast_size=2)
+  assert stats["sent_over_k_mean"] == pytest.approx(0.75, abs=1e-3)
+  assert stats["exact_share"] == 0.5
+  assert accuracy.threshold_stats(steps, "resnet20", 0.1)["sent_over_k_mean"] < 0.6
+
+
 @pytest.mark.slow
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "run_suite.py"), "--out-dir",

@@ -1,3 +1,4 @@
+import json
 import time
 
 import numpy as np
@@ -104,6 +105,13 @@ def test_plan_json_round_trip_and_checks(tmp_path):
     loaded.check_compatible(paths=profile.paths, workers=8, model="resnet20")
   with pytest.raises(ValueError, match="does not match"):
     loaded.check_compatible(paths=profile.paths[:-1] + ("other",), workers=8)
+  assert loaded.fast_size == 1 and loaded.fast_link is None
+  with pytest.raises(ValueError, match=r"made for 8 workers, this run has 4 nodes x 2 devices"):
+    loaded.check_compatible(paths=profile.paths, workers=8, fast_size=2)
+  # A plan written before the two-level fields existed loads as a flat one.
+  old = json.loads(plan.to_json())
+  del old["fast_size"], old["fast_link"]
+  assert planner.Plan.from_json(json.dumps(old)) == plan
   # Groups as positions: in the profile's order and in any other.
   indices = loaded.group_indices(profile.paths)
   assert [[profile.paths[i] for i in g] for g in indices] == loaded.groups
@@ -159,3 +167,27 @@ def test_dlgs_exact_fraction_only_for_dlgs_with_the_refresh_rule():
   assert planner.dlgs_exact_fraction(measured, "dlgs", None) is None  # the paper's schedule
   assert planner.dlgs_exact_fraction(measured, "lags", 0.5) is None
   assert planner.dlgs_exact_fraction(profile, "dlgs", 0.5) is None  # not measured
+
+
+def test_a_two_level_plan_prices_slices_and_names_its_node_shape(tmp_path):
+  """Between 4 nodes of 2 devices: each group is selected and sent on 1/2 slices, and the
+  whole message crosses the fast link; the plan keeps the shape and refuses another."""
+  rng = np.random.default_rng(3)
+  profile = random_profile(rng, 6, workers=4)  # the workers between which messages go: nodes
+  fast = LinearCost(1e-5, 1e-10)
+  plan = planner.make_plan(profile, "dlgs", 0.01, "optimal", fast_size=2, fast_link=fast)
+  costs = MethodCosts("dlgs", 0.01, fast_size=2, fast_link=fast)
+  groups = [[profile.paths.index(p) for p in g] for g in plan.groups]
+  assert plan.predicted["t_iter"] == pytest.approx(simulate(profile, groups, costs).t_iter)
+  assert plan.predicted["t_iter"] == pytest.approx(
+      simulate(profile, planner.optimal(profile, costs), costs).t_iter)
+  assert plan.fast_size == 2 and plan.fast_link == {"alpha": 1e-5, "beta": 1e-10}
+  plan.save(tmp_path / "plan.json")
+  loaded = planner.Plan.load(tmp_path / "plan.json")
+  assert loaded == plan
+  loaded.check_compatible(paths=profile.paths, workers=8, fast_size=2)
+  with pytest.raises(ValueError, match=r"made for 4 nodes x 2 devices \(two-level, slices of "
+                     r"1/2\), this run has 8 workers$"):
+    loaded.check_compatible(paths=profile.paths, workers=8)
+  with pytest.raises(ValueError, match="this run has 2 nodes x 4 devices"):
+    loaded.check_compatible(paths=profile.paths, workers=8, fast_size=4)

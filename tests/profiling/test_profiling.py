@@ -13,6 +13,7 @@ import dlgs_jax
 from dlgs_jax.workload import losses
 from dlgs_jax.workload import data
 from dlgs_jax.compress import grouping
+from dlgs_jax.compress import wire
 from dlgs_jax.workload import models
 from dlgs_jax.workload import parallel
 from dlgs_jax import profiling
@@ -121,6 +122,25 @@ def test_measure_comm_on_local_mesh():
   assert lone["allreduce"] == profiling.fit_linear(*zip(*raw_lone["allreduce"]))
   with pytest.raises(ValueError, match="chain must be >= 1, got 0"):
     profiling.measure_comm(mesh, [64], 0.01, chain=0)
+
+
+def test_measure_comm_over_one_axis_of_a_node_mesh_counts_that_axis_workers():
+  """Between nodes every device of a node exchanges at once; bytes are per that axis's size."""
+  mesh = parallel.node_mesh(2)  # 8 devices: 4 nodes x 2
+  assert dict(mesh.shape) == {"node": 4, "local": 2}
+  costs, raw = profiling.measure_comm(mesh, [64, 4096], 0.01, repeats=1, chain=1, axis="node",
+                                      kinds=("allreduce", "allgather"))
+  assert set(costs) == {"allreduce", "allgather"}
+  assert [b for b, _ in raw["allreduce"]] == [wire.allreduce_bytes(n, 4) for n in (64, 4096)]
+  assert [b for b, _ in raw["allgather"]] == [wire.allgather_bytes(k, 4) for k in (1, 41)]
+  fast, raw_fast = profiling.measure_comm(mesh, [64, 4096], 0.01, repeats=1, chain=1,
+                                          axis="local", kinds=("allreduce",))
+  assert [b for b, _ in raw_fast["allreduce"]] == [wire.allreduce_bytes(n, 2) for n in (64, 4096)]
+  assert fast["allreduce"].beta >= 0
+  with pytest.raises(ValueError, match="axis 'data' is not one of the mesh's axes"):
+    profiling.measure_comm(mesh, [64], 0.01, axis="data")
+  with pytest.raises(ValueError, match=r"kinds must be among .*'ring'"):
+    profiling.measure_comm(mesh, [64], 0.01, axis="node", kinds=("ring",))
 
 
 def _overlap_reference(x, message, rounds):

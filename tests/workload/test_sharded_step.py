@@ -287,3 +287,20 @@ def test_a_node_mesh_puts_each_process_on_a_row():
   assert node.devices.shape == (jax.process_count(), jax.local_device_count())
   assert parallel.data_axes(node) == ("node", "local")
   assert parallel.data_axes(mesh()) == "data"
+
+
+@pytest.mark.parametrize("node_size", [1, 2, 4, 8])
+def test_a_node_mesh_cuts_the_devices_into_nodes_of_the_given_size(node_size):
+  node = parallel.node_mesh(node_size)
+  assert node.devices.shape == (8 // node_size, node_size)
+  # Consecutive devices share a node: the order every other mesh uses, cut in rows.
+  assert list(node.devices.flat) == jax.devices()
+
+
+@pytest.mark.parametrize("node_size, message", [
+    (3, "node_size 3 does not cut 1 processes of 8 devices into whole nodes"),
+    (16, "node_size 16 does not cut"), (0, "node_size must be an integer >= 1, got 0"),
+    (2.0, "node_size must be an integer >= 1, got 2.0")])
+def test_a_node_size_that_does_not_cut_the_devices_is_named(node_size, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    parallel.node_mesh(node_size)
