@@ -165,14 +165,15 @@ class CheckpointConfig:
 
 
 # Options that change neither what a checkpoint's arrays mean nor what the run
-# computes: a run may resume with them changed. (The workers, the plan's groups and
-# the dataset are compared by what they resolve to, not by how they were given.)
+# computes: a run may resume with them changed. (The workers, the exchange, the
+# plan's groups and the dataset are compared by what they resolve to, not by how
+# they were given.)
 FREE_OPTIONS = frozenset({
     "checkpoint.workdir", "checkpoint.resume", "checkpoint.checkpoint_every",
     "checkpoint.keep", "checkpoint.stop_after", "checkpoint.check_every",
     "checkpoint.nonfinite_limit",
     "processes.workers", "processes.coordinator", "processes.num_processes",
-    "processes.process_id", "processes.local_devices", "processes.node_size",
+    "processes.process_id", "processes.local_devices", "processes.flat", "processes.node_size",
     "data.eval_batch_size",
     "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
     "plan.latency"})

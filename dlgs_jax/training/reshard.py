@@ -1,25 +1,32 @@
-"""Moving a run's optimizer state onto another number of workers (resuming on more or fewer).
+"""Moving a run's optimizer state onto another number of workers or node shape.
 
 The per-worker parts of the optimizer state (this library's transform states)
 carry a leading worker axis; the rest is replicated and kept as it is. Error-feedback
 residuals (and DGC's velocity) hold gradient mass not yet applied: with P workers
-it enters the updates as ``sum_w e_w / P``. On P' workers each worker starts from
-``sum_w e_w / P``, so ``sum_w' e'_w / P'`` is the same mass and nothing is lost.
+it enters the updates as ``m = sum_w e_w / P``. On P' workers each worker starts
+from m, so ``sum_w' e'_w / P'`` is the same mass and nothing is lost.
 The other per-worker values: rows identical on every worker are kept; floats that
 differ (DLGS's thresholds) take the workers' mean, to be recomputed at the next
 exact step; integers that differ (the statistics of the last step) take worker 0's.
+
+A two-level run (`compress.hierarchical`, N nodes of L devices) holds on device
+(n, j) slice j of its node's residual, which enters the updates as
+``m = sum_n r_n / N`` (``r_n``: node n's slices laid end to end in the leaf).
+`change_exchange` rebuilds each leaf's m and deals it out again: each flat
+worker starts from m; device j of every node of another shape from slice j of m.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
 from dlgs_jax.compress.state import is_per_worker
 
-# State fields that hold gradient mass (`compress.state`): redistributed, their sum kept.
+# State fields that hold gradient mass (`compress.state`): redistributed, their mass kept.
 MASS_FIELDS = frozenset({"residuals", "velocity"})
 
 
@@ -27,12 +34,21 @@ def _field_names(path) -> set:
   return {getattr(key, "name", None) for key in path}
 
 
+def _one_row(x: np.ndarray) -> np.ndarray:
+  """A non-mass per-worker leaf for every new worker: the common row, a mean, or worker 0's."""
+  if (x == x[:1]).all():
+    return x[0]
+  if np.issubdtype(x.dtype, np.floating):
+    return x.astype(np.float64).mean(0).astype(x.dtype)
+  return x[0]
+
+
 def redistribute(opt_state: Any, workers: int) -> Any:
-  """One worker's row of each per-worker leaf, for a run of any number of workers.
+  """One worker's row of each per-worker leaf, for a flat run of any number of workers.
 
   Args:
     opt_state: host arrays; those of this library's states with a leading axis
-      of the checkpoint's P workers.
+      of the checkpoint's P workers (a flat exchange).
     workers: the new worker count P' (only used to check it).
 
   Returns:
@@ -52,13 +68,127 @@ def redistribute(opt_state: Any, workers: int) -> Any:
     if _field_names(path) & MASS_FIELDS:
       # Summed in float64: the mass is kept to the rounding of one division.
       return (x.astype(np.float64).sum(0) / x.shape[0]).astype(x.dtype)
-    if (x == x[:1]).all():
-      return x[0]
-    if np.issubdtype(x.dtype, np.floating):
-      return x.astype(np.float64).mean(0).astype(x.dtype)
-    return x[0]
+    return _one_row(x)
 
   def visit(node):
     return jax.tree_util.tree_map_with_path(row, node) if is_per_worker(node) else node
 
   return jax.tree_util.tree_map(visit, opt_state, is_leaf=is_per_worker)
+
+
+def nodes_of(exchange: str) -> Optional[tuple[int, int]]:
+  """(nodes, devices per node) of a run identity's ``exchange``; None for "flat"."""
+  if exchange == "flat":
+    return None
+  kind, _, shape = exchange.partition(" ")
+  nodes, _, local = shape.partition("x")
+  if kind != "two-level" or not (nodes.isdigit() and local.isdigit()):
+    raise ValueError(f"unknown exchange {exchange!r}: expected 'flat' or 'two-level NxL'")
+  return int(nodes), int(local)
+
+
+def whole_mass(x: np.ndarray, shape: tuple, fast_size: int) -> np.ndarray:
+  """The mass m (float64, the leaf's `shape`) that every worker's residual rows put into updates.
+
+  Args:
+    x: ``(workers, ...)``: whole leaves (flat) or each device's slice (two-level).
+    shape: the leaf's shape.
+    fast_size: devices per node L; 1 for a flat exchange.
+  """
+  x = np.asarray(x, np.float64)
+  if fast_size == 1:
+    return x.sum(0).reshape(shape) / x.shape[0]
+  nodes = x.shape[0] // fast_size
+  laid = x.reshape(nodes, -1)[:, :math.prod(shape)]  # node n's slices end to end
+  return (laid.sum(0) / nodes).reshape(shape)
+
+
+def dealt_mass(mass: np.ndarray, workers: int, fast_size: int, row_shape: tuple,
+               dtype) -> np.ndarray:
+  """Every new worker's residual rows ``(workers, *row_shape)`` that put `mass` into updates.
+
+  Args:
+    mass: a leaf's mass (`whole_mass`).
+    workers: the new run's workers (N' L').
+    fast_size: the new run's devices per node L'; 1 for a flat exchange.
+    row_shape: one worker's residual shape (the leaf's, or its slice's).
+    dtype: the residuals' dtype.
+  """
+  if fast_size == 1:
+    return np.broadcast_to(mass.reshape(row_shape), (workers,) + row_shape).astype(dtype)
+  flat = mass.reshape(-1)
+  width = row_shape[-1] if row_shape else 1
+  slices = np.pad(flat, (0, fast_size * width - flat.size)).reshape(fast_size, width)
+  rows = np.tile(slices, (workers // fast_size, 1))
+  return rows.reshape((workers,) + row_shape).astype(dtype)
+
+
+def change_exchange(opt_state: Any, target: Any, params: Any, old_fast: int,
+                    new_fast: int) -> Any:
+  """The optimizer state for another exchange (worker count, node shape, flat), mass kept.
+
+  Args:
+    opt_state: the checkpoint's, host arrays; this library's states with a
+      leading axis of its workers.
+    target: the new run's state (arrays or shapes): its structure and the new
+      per-worker shapes.
+    params: the parameters (or their shapes): the whole leaves behind the residuals.
+    old_fast, new_fast: devices per node of the old and new exchanges (1: flat).
+
+  Returns:
+    `target`'s structure: per-worker leaves as full ``(workers, ...)`` host
+    arrays (`workload.parallel.place_rows` places them), the other leaves as
+    saved where both exchanges have them, else as in `target`.
+
+  Raises:
+    ValueError: when the two states hold different transforms.
+  """
+  old_nodes, new_nodes = _per_worker_nodes(opt_state), _per_worker_nodes(target)
+  if [type(n) for n in old_nodes] != [type(n) for n in new_nodes]:
+    raise ValueError(f"the checkpoint's transforms {[type(n).__name__ for n in old_nodes]} "
+                     f"are not this run's {[type(n).__name__ for n in new_nodes]}")
+  shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params)]
+  moved = iter([_move_node(old, new, shapes, old_fast, new_fast)
+                for old, new in zip(old_nodes, new_nodes)])
+  replaced = jax.tree_util.tree_map(lambda node: next(moved) if is_per_worker(node) else node,
+                                    target, is_leaf=is_per_worker)
+  return _keep_saved(opt_state, replaced)
+
+
+def _per_worker_nodes(tree: Any) -> list:
+  return [n for n in jax.tree_util.tree_leaves(tree, is_leaf=is_per_worker) if is_per_worker(n)]
+
+
+def _move_node(old: Any, new: Any, shapes: list, old_fast: int, new_fast: int) -> Any:
+  """One transform's state for the new workers: mass dealt out again, the rest one row each."""
+  fields = {}
+  for name in new._fields:
+    saved, wanted = getattr(old, name), getattr(new, name)
+    if name in MASS_FIELDS:
+      # The residual trees mirror the parameters: leaf i is parameter i's.
+      rows = [dealt_mass(whole_mass(o, shape, old_fast), n.shape[0], new_fast,
+                         tuple(n.shape[1:]), n.dtype)
+              for o, n, shape in zip(jax.tree_util.tree_leaves(saved),
+                                     jax.tree_util.tree_leaves(wanted), shapes)]
+      fields[name] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(wanted), rows)
+    else:
+      fields[name] = jax.tree_util.tree_map(
+          lambda o, n: np.broadcast_to(_one_row(np.asarray(o)), n.shape).astype(n.dtype),
+          saved, wanted)
+  return type(new)(**fields)
+
+
+def _keep_saved(saved: Any, target: Any) -> Any:
+  """`target` with the saved values of its replicated parts wherever both trees have them.
+
+  The two exchanges' states differ only around the transform's state (the
+  two-level wrapper); the momentum and the rest of the chain match.
+  """
+  if _per_worker_nodes(target) and isinstance(target, tuple) and not is_per_worker(target) \
+      and type(saved) is type(target) and len(saved) == len(target):
+    parts = [_keep_saved(s, t) for s, t in zip(saved, target)]
+    return type(target)(*parts) if hasattr(target, "_fields") else type(target)(parts)
+  if _per_worker_nodes(target):
+    return target
+  same = jax.tree_util.tree_structure(saved) == jax.tree_util.tree_structure(target)
+  return saved if same else target

@@ -1,4 +1,4 @@
-"""Where a run starts: the newest checkpoint that verifies, also from another worker count."""
+"""Where a run starts: the newest checkpoint that verifies, also from another worker count or node shape."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def restore_or_start(run: Run, ckpt) -> int:
     try:
       run.state, record = ckpt.restore_latest_good(run.state)
     except checkpoint.CheckpointMismatch as e:
-      if not set(e.differences) <= RESHARDABLE or "workers" not in e.differences:
+      if not set(e.differences) <= RESHARDABLE or not {"workers", "exchange"} & set(
+          e.differences):
         raise
       record = _restore_on_other_workers(run, ckpt, e.differences)
   except checkpoint.CheckpointMismatch as e:
@@ -39,41 +40,55 @@ def restore_or_start(run: Run, ckpt) -> int:
   return start
 
 
-# What may differ when a run resumes on another number of workers: the count, and
-# the steps an epoch-long schedule has with the new global batch.
-RESHARDABLE = frozenset({"workers", "total_steps"})
+# What may differ when a run resumes on another number of workers or node shape:
+# the count, the exchange (flat, two-level NxL), and the steps an epoch-long
+# schedule has with the new global batch.
+RESHARDABLE = frozenset({"workers", "total_steps", "exchange"})
+
+
+def _host(x, rows=None):
+  """Zeros of `x`'s shape and dtype on the host; `rows`: a leading axis of that length added."""
+  import numpy as np
+
+  shape = tuple(x.shape) if rows is None else (rows,) + tuple(x.shape)
+  return np.zeros(shape, x.dtype)
 
 
 def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
-  """Restores a checkpoint of another worker count onto this run's, residual mass kept."""
+  """Restores a checkpoint of another worker count or exchange onto this run's, mass kept."""
   import jax
-  import numpy as np
 
   from dlgs_jax.training import reshard
   from dlgs_jax.workload import parallel
 
-  def host(x, rows=None):
-    shape = x.shape if rows is None else (rows,) + tuple(x.shape[1:])
-    return np.zeros(shape, x.dtype)
-
-  saved_workers = int(differences["workers"][0])
+  exchange = "two-level {}x{}".format(*run.mesh.devices.shape) if len(
+      run.mesh.axis_names) == 2 else "flat"
+  saved_exchange = differences.get("exchange", (exchange,))[0]
+  saved_workers = int(differences.get("workers", (run.workers,))[0])
+  old_fast = (reshard.nodes_of(saved_exchange) or (0, 1))[1]
+  new_fast = (reshard.nodes_of(exchange) or (0, 1))[1]
   state = run.state
+  saved_opt = jax.eval_shape(run.optimizer_for(old_fast if old_fast > 1 else None).init,
+                             state.params)
   target = state._replace(
-      params=jax.tree_util.tree_map(host, state.params),
-      batch_stats=jax.tree_util.tree_map(host, state.batch_stats),
-      opt_state=parallel.map_state(lambda x: host(x, saved_workers),
-                                   lambda node: jax.tree_util.tree_map(host, node),
-                                   state.opt_state),
-      step=host(state.step))
+      params=jax.tree_util.tree_map(_host, state.params),
+      batch_stats=jax.tree_util.tree_map(_host, state.batch_stats),
+      opt_state=parallel.map_state(lambda x: _host(x, saved_workers),
+                                   lambda node: jax.tree_util.tree_map(_host, node), saved_opt),
+      step=_host(state.step))
   restored, record = ckpt.restore_latest_good(target, allow=RESHARDABLE)
-  row = reshard.redistribute(restored.opt_state, run.workers)
+  opt_state = reshard.change_exchange(restored.opt_state,
+                                      jax.tree_util.tree_map(_host, state.opt_state),
+                                      restored.params, old_fast, new_fast)
   run.state = state._replace(
       params=parallel.replicate(restored.params, run.mesh),
       batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
-      opt_state=parallel.place_state(row, run.mesh),
+      opt_state=parallel.place_rows(opt_state, run.mesh),
       step=parallel.replicate(restored.step, run.mesh))
+  shapes = ("" if exchange == saved_exchange == "flat"
+            else f" ({saved_exchange} -> {exchange})")
   run.log(f"the checkpoint was written by {saved_workers} workers, this run has "
-          f"{run.workers}: residuals redistributed with their sum kept"
+          f"{run.workers}{shapes}: residuals redistributed with their sum kept"
           + (f"; the schedule now has {run.total_steps} steps (it had "
              f"{differences['total_steps'][0]})" if "total_steps" in differences else ""))
   return record

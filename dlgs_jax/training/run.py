@@ -78,6 +78,9 @@ class Run:
   step_fn: Callable
   evaluate: Callable
   fingerprint: Callable
+  # Devices per node (None: flat) -> this run's optimizer for that exchange: what
+  # a checkpoint of another exchange was written with (`resume`).
+  optimizer_for: Callable
   leader: bool
   dense_bytes: int = 0
 
@@ -172,10 +175,15 @@ def build_run(config: RunConfig) -> Run:
     log(note)
   plan = make_or_load_plan(config, mesh, grouping.leaf_paths(variables["params"]), workers, log)
   warmup = dgc_warmup_steps(config, spe, total_steps)
-  tx = build_optimizer(config.method, config.optimizer, axis_name=axis, schedule=schedule,
-                       groups=plan.groups if plan is not None else None, order=order,
-                       seed=config.seed, warmup_steps=warmup,
-                       fast_size=mesh.shape["local"] if two_level else None)
+
+  def optimizer_for(fast_size):
+    return build_optimizer(config.method, config.optimizer,
+                           axis_name=("node", "local") if fast_size else "data",
+                           schedule=schedule, groups=plan.groups if plan is not None else None,
+                           order=order, seed=config.seed, warmup_steps=warmup,
+                           fast_size=fast_size)
+
+  tx = optimizer_for(mesh.shape["local"] if two_level else None)
   return Run(
       config=config, workdir=Path(config.checkpoint.workdir), train_set=train_set,
       test_set=test_set, dataset_name=dataset_name, mesh=mesh, workers=workers,
@@ -187,7 +195,8 @@ def build_run(config: RunConfig) -> Run:
       step_fn=training.make_train_step(model, tx, mesh, augment=config.data.augment, pad=pad,
                                        mean=train_set.mean, std=train_set.std, seed=config.seed),
       evaluate=training.make_eval_fn(model, train_set.mean, train_set.std),
-      fingerprint=training.make_fingerprint_fn(mesh), leader=leader)
+      fingerprint=training.make_fingerprint_fn(mesh), leader=leader,
+      optimizer_for=optimizer_for)
 
 
 def run_identity(run: Run) -> dict:

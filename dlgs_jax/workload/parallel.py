@@ -217,6 +217,24 @@ def place_state(opt_state: Any, mesh: Mesh) -> Any:
                    opt_state)
 
 
+def place_rows(opt_state: Any, mesh: Mesh) -> Any:
+  """Places an optimizer state whose per-worker parts hold every worker's row (host arrays).
+
+  Unlike `place_state`, each worker gets its own row ``x[w]`` (e.g. residual
+  slices that differ per device); the rest is replicated.
+  """
+  sharding = per_worker_sharding(mesh)
+
+  def rows(x):
+    x = np.asarray(x)
+    if x.shape[:1] != (mesh.devices.size,):
+      raise ValueError(f"a per-worker leaf of shape {x.shape} has no row per worker "
+                       f"({mesh.devices.size})")
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return map_state(rows, lambda node: replicate(node, mesh), opt_state)
+
+
 def init_per_worker(tx, params: Any, mesh: Mesh) -> Any:
   """``tx.init(params)``, placed for a data-parallel step on `mesh` (`place_state`).
 

@@ -470,6 +470,31 @@ def test_a_run_resumes_on_another_worker_count_with_its_residuals_redistributed(
 
 
 @pytest.mark.slow
+def test_a_run_resumes_onto_another_node_shape_with_its_residuals_dealt_again(tmp_path):
+  """2 nodes x 2 devices -> 4 flat workers -> 2 x 2 again, on 4 devices (reshard's tests
+  check the mass; here the runs go on, every worker's parameters checked identical)."""
+  args = [*SMALL, "--density", "0.05", "--steps", "9", "--check-every", "1",
+          "--local-devices", "4", "--workdir", str(tmp_path)]
+  first = run_cli([*args, "--node-size", "2", "--stop-after", "3"])
+  assert first.returncode == 0, first.stderr[-3000:]
+  flat = run_cli([*args, "--resume", "--stop-after", "3"])
+  assert flat.returncode == 0, flat.stderr[-3000:]
+  assert ("the checkpoint was written by 4 workers, this run has 4 (two-level 2x2 -> flat): "
+          "residuals redistributed with their sum kept") in flat.stdout
+  assert "resumed from step 3" in flat.stdout and "two-level" not in flat.stdout.split(
+      "residuals redistributed")[1]
+  back = run_cli([*args, "--node-size", "2", "--resume"])
+  assert back.returncode == 0, back.stderr[-3000:]
+  assert "(flat -> two-level 2x2)" in back.stdout and "resumed from step 6" in back.stdout
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 9 and np.isfinite(summary["final_test_loss"])
+  # A change of exchange together with another setting is still refused, both named.
+  other = run_cli([*args, "--resume", "--momentum", "0.5"])
+  assert other.returncode != 0 and "optimizer.momentum: checkpoint 0.9" in other.stderr
+  assert "exchange: checkpoint 'two-level 2x2', this run 'flat'" in other.stderr
+
+
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp_path):
   args = [*SMALL, "--local-devices", "2", "--steps", "10", "--density", "0.05",
           "--checkpoint-every", "2", "--check-every", "0"]

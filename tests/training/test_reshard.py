@@ -1,9 +1,12 @@
 """Optimizer state moved onto another worker count: the residual mass is kept."""
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 import dlgs_jax
+from dlgs_jax.compress.state import is_per_worker
 from dlgs_jax.training import reshard
 
 
@@ -52,3 +55,79 @@ def test_replicated_parts_of_a_chain_are_kept_as_they_are():
   assert all(row[1]["trace"][k] is trace[k] for k in trace)
   np.testing.assert_allclose(row[0].residuals["w"],
                              chain_state[0].residuals["w"].sum(0) / 3, rtol=1e-6)
+
+
+PARAMS = {"w": np.zeros((6, 5), np.float32), "b": np.zeros((3,), np.float32)}
+
+
+def exchange_state(workers, fast, rng):
+  """A chain (DLGS [in two levels], SGD momentum) with random per-worker residuals."""
+  make = lambda axis: dlgs_jax.dlgs(0.25, axis_name=axis)  # noqa: E731
+  tx = (make("data") if fast == 1 else
+        dlgs_jax.two_level(make, fast_axis="local", slow_axis="node", fast_size=fast))
+  chain = optax.chain(tx, optax.sgd(0.1, momentum=0.9))
+  state = jax.tree_util.tree_map(np.asarray, chain.init(PARAMS))
+
+  def per_worker(x):
+    return np.stack([np.asarray(x)] * workers)
+
+  state = jax.tree_util.tree_map(
+      lambda node: jax.tree_util.tree_map(per_worker, node) if is_per_worker(node) else node,
+      state, is_leaf=is_per_worker)
+  inner = state[0].inner if fast > 1 else state[0]
+  inner = inner._replace(
+      residuals={k: rng.standard_normal(v.shape).astype(np.float32)
+                 for k, v in inner.residuals.items()},
+      thresholds={k: np.arange(1, workers + 1, dtype=np.float32) for k in inner.thresholds})
+  compressor = state[0]._replace(inner=inner) if fast > 1 else inner
+  trace = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in PARAMS.items()}
+  momentum = (state[1][0]._replace(trace=trace),) + tuple(state[1][1:])
+  return (compressor, momentum)
+
+
+def owed(state, fast):
+  """NumPy: what each leaf's residuals still put into the updates (the mean over nodes of
+  each node's slices laid end to end; flat: the mean over workers)."""
+  inner = state[0].inner if fast > 1 else state[0]
+  out = {}
+  for key, e in inner.residuals.items():
+    size, shape = PARAMS[key].size, PARAMS[key].shape
+    if fast == 1:
+      out[key] = e.astype(np.float64).mean(0)
+    else:
+      nodes = e.shape[0] // fast
+      laid = [np.concatenate([e[n * fast + j].reshape(-1) for j in range(fast)])[:size]
+              for n in range(nodes)]
+      out[key] = np.mean(laid, axis=0).reshape(shape)
+  return out
+
+
+@pytest.mark.parametrize("old, new", [((2, 2), (4, 1)), ((4, 1), (2, 2)), ((2, 2), (1, 4)),
+                                      ((1, 4), (4, 2)), ((3, 1), (2, 1))])
+def test_another_exchange_gets_the_same_owed_mass_and_keeps_the_momentum(old, new):
+  """(nodes, devices per node); 1 device per node: flat."""
+  rng = np.random.default_rng(sum(old) + 3 * sum(new))
+  saved = exchange_state(old[0] * old[1], old[1], rng)
+  target = exchange_state(new[0] * new[1], new[1], np.random.default_rng(99))
+  moved = reshard.change_exchange(saved, target, PARAMS, old[1], new[1])
+  before, after = owed(saved, old[1]), owed(moved, new[1])
+  for key in PARAMS:
+    np.testing.assert_allclose(after[key], before[key], rtol=1e-6, atol=1e-7)
+  inner = moved[0].inner if new[1] > 1 else moved[0]
+  workers = new[0] * new[1]
+  assert all(v.shape[0] == workers for v in inner.residuals.values())
+  # Thresholds differ per worker: their mean, on every new worker.
+  mean = np.mean(np.arange(1, old[0] * old[1] + 1))
+  assert all(np.all(v == np.float32(mean)) for v in inner.thresholds.values())
+  for key in PARAMS:  # the replicated momentum is the saved one
+    np.testing.assert_array_equal(moved[1][0].trace[key], saved[1][0].trace[key])
+
+
+def test_an_exchange_is_read_from_the_run_identity():
+  assert reshard.nodes_of("flat") is None
+  assert reshard.nodes_of("two-level 3x8") == (3, 8)
+  with pytest.raises(ValueError, match="unknown exchange 'ring 2x2'"):
+    reshard.nodes_of("ring 2x2")
+  saved = exchange_state(4, 1, np.random.default_rng(0))
+  with pytest.raises(ValueError, match=r"transforms \['DLGSState'\] are not this run's \[\]"):
+    reshard.change_exchange(saved, ({}, saved[1]), PARAMS, 1, 1)
