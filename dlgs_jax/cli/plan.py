@@ -7,6 +7,8 @@ the chosen plan and the profile as JSON and a Gantt chart of the timelines.
     python -m dlgs_jax.cli.plan --model resnet20 --density 0.01
     python -m dlgs_jax.cli.plan --model resnet20 --density 0.01 --bandwidth 1gbit --workers 16
     python -m dlgs_jax.cli.plan --model vgg16 --profile runs/plan/vgg16_profile.json
+    python -m dlgs_jax.cli.plan --model vgg16 --profile p.json --bandwidth 25gbit \
+        --workers 4 --node-size 8                 # 4 nodes of 8 GPUs, two-level exchange
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ def parse_args(argv=None):
   parser.add_argument("--profile", help="load this profile JSON instead of measuring")
   parser.add_argument("--bandwidth", help="model the network instead: link bandwidth, e.g. 1gbit")
   parser.add_argument("--latency", type=float, default=25e-6, help="per-step latency (s) with --bandwidth")
-  parser.add_argument("--workers", type=int, help="P for --bandwidth (default: the profile's)")
+  parser.add_argument("--workers", type=int, help="P for --bandwidth (default: the profile's); "
+                      "with --node-size, the nodes")
+  parser.add_argument("--node-size", type=int, help="plan a two-level exchange of nodes of this "
+                      "many devices (dlgs-train --node-size): each device's slices between "
+                      "nodes over --bandwidth links, which a node's devices share")
+  parser.add_argument("--fast-bandwidth", default="2400gbit",
+                      help="with --node-size: the link inside a node (default 300 GB/s)")
+  parser.add_argument("--fast-latency", type=float, default=5e-6,
+                      help="with --node-size: per-step latency (s) inside a node")
   parser.add_argument("--devices", type=int, default=8,
                       help="simulated CPU devices to measure collectives on (CPU only)")
   parser.add_argument("--batch-size", type=int, default=32, help="examples per worker")
@@ -70,11 +80,16 @@ def _check_numbers(args) -> None:
 
   MethodConfig(args.method, density=args.density, reuse_every=args.reuse_every).validate()
   for option, value, low in (("workers", args.workers, 1), ("devices", args.devices, 1),
+                             ("node_size", args.node_size, 1),
                              ("batch_size", args.batch_size, 1), ("repeats", args.repeats, 1),
                              ("image_size", args.image_size, 8)):
     if value is not None and value < low:
       raise ConfigError(option, value, f"must be >= {low}")
   check_link(args.bandwidth, args.latency)
+  check_link(args.fast_bandwidth, args.fast_latency, prefix="fast_")
+  if (args.node_size or 1) > 1 and not args.bandwidth:
+    raise ConfigError("node_size", args.node_size, "needs --bandwidth, the link between nodes "
+                      "(the collectives a profile measured are flat)")
   if args.profile is not None and not Path(args.profile).is_file():
     raise ConfigError("profile", args.profile, "no such file")
 
@@ -112,19 +127,37 @@ def measured_profile(args, refresh, out_dir: Path):
 
 
 def on_network(args, profile):
-  """`profile` re-priced for ``--bandwidth`` links (unchanged without it)."""
+  """`profile` re-priced for ``--bandwidth`` links (unchanged without it).
+
+  With ``--node-size L`` the links join nodes, each shared by its L devices,
+  and ``--workers`` counts nodes.
+  """
   from dlgs_jax.planning import network
 
   if args.bandwidth:
     workers = args.workers or profile.workers
+    local = args.node_size or 1
     bits = network.parse_bandwidth(args.bandwidth)
+    between = f"{workers} nodes of {local} devices" if local > 1 else f"{workers} workers"
     return profile.with_comm(
-        network.network_comm(workers, bits, args.latency), workers,
-        f"network modelled: {workers} workers, {args.bandwidth} links, "
+        network.network_comm(workers, bits / local, args.latency), workers,
+        f"network modelled: {between}, {args.bandwidth} links, "
         f"{args.latency * 1e6:g} us latency")
   if args.workers and args.workers != profile.workers:
     raise SystemExit("--workers needs --bandwidth (measured costs hold for the measured P only)")
   return profile
+
+
+def exchange_costs(args) -> dict:
+  """`MethodCosts`' two-level arguments for ``--node-size`` (none for a flat exchange)."""
+  from dlgs_jax.planning import network
+
+  local = args.node_size or 1
+  if local == 1:
+    return {}
+  fast = network.network_comm(local, network.parse_bandwidth(args.fast_bandwidth),
+                              args.fast_latency)["allreduce"]
+  return {"fast_size": local, "fast_link": fast}
 
 
 def exact_fraction(args, profile, refresh):
@@ -147,11 +180,13 @@ def compare_planners(args, profile, costs) -> dict:
   from dlgs_jax.planning import planner
   from dlgs_jax.planning.timeline import MethodCosts, simulate
 
-  dense_costs = MethodCosts("dense", 1.0)
+  two_level = exchange_costs(args)
+  dense_costs = MethodCosts("dense", 1.0, **two_level)
   dense_time = simulate(profile, planner.optimal(profile, dense_costs), dense_costs).t_iter
-  print(f"\n{args.model}, {args.method} at density {args.density:g}, P = {profile.workers}; "
+  print(f"\n{args.model}, {args.method} at density {args.density:g}, {_world(args, profile)}; "
         f"{profile.source}")
-  print(f"dense all-reduce (optimal fusion): {dense_time * 1e3:.2f} ms per iteration\n")
+  print(f"dense all-reduce ({'two-level, ' if two_level else ''}optimal fusion): "
+        f"{dense_time * 1e3:.2f} ms per iteration\n")
   header = (f"{'planner':8s} {'groups':>6s} {'t_iter ms':>10s} {'compute':>9s} "
             f"{'sparsify':>9s} {'comm exp.':>9s} {'speedup':>8s}")
   print(header)
@@ -170,6 +205,12 @@ def compare_planners(args, profile, costs) -> dict:
   return timelines
 
 
+def _world(args, profile) -> str:
+  local = args.node_size or 1
+  return (f"{profile.workers} nodes x {local} devices (two-level)" if local > 1
+          else f"P = {profile.workers}")
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   refresh = check(args)
@@ -185,15 +226,16 @@ def main(argv=None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   profile = on_network(args, measured_profile(args, refresh, out_dir))
   fraction = exact_fraction(args, profile, refresh)
-  costs = MethodCosts(args.method, args.density, exact_fraction=fraction)
+  costs = MethodCosts(args.method, args.density, exact_fraction=fraction,
+                      **exchange_costs(args))
   timelines = compare_planners(args, profile, costs)
   plan = planner.make_plan(profile, args.method, args.density, args.planner,
-                           exact_fraction=fraction)
+                           exact_fraction=fraction, **exchange_costs(args))
   plan_path = out_dir / f"{args.model}_{args.method}_{args.density:g}_{args.planner}_plan.json"
   plan.save(plan_path)
   png = out_dir / f"{args.model}_{args.method}_{args.density:g}_timeline.png"
   draw_gantt(profile, timelines, png, title=f"{args.model}, {args.method} density "
-             f"{args.density:g}, P = {profile.workers}")
+             f"{args.density:g}, {_world(args, profile)}")
   print(f"\nwrote {plan_path}\nwrote {png}")
   return 0
 

@@ -52,12 +52,18 @@ def network_comm(workers: int, bandwidth_bits: float, latency: float = 25e-6) ->
   }
 
 
-def check_link(bandwidth: Optional[str], latency: float) -> None:
-  """Raises `ConfigError` naming ``bandwidth`` or ``latency`` when it does not describe a link."""
+def check_link(bandwidth: Optional[str], latency: float, prefix: str = "") -> None:
+  """Raises `ConfigError` naming ``bandwidth`` or ``latency`` when it does not describe a link.
+
+  Args:
+    bandwidth: e.g. "1gbit", or None.
+    latency: seconds per step.
+    prefix: the options' prefix in the message (e.g. "fast_" for fast_bandwidth).
+  """
   if not (isinstance(latency, (int, float)) and math.isfinite(latency) and latency >= 0):
-    raise ConfigError("latency", latency, "must be a number of seconds >= 0")
+    raise ConfigError(f"{prefix}latency", latency, "must be a number of seconds >= 0")
   if bandwidth is not None:
     try:
       parse_bandwidth(bandwidth)
     except ValueError as e:
-      raise ConfigError("bandwidth", bandwidth, str(e)) from None
+      raise ConfigError(f"{prefix}bandwidth", bandwidth, str(e)) from None

@@ -18,6 +18,11 @@ from dlgs_jax.cli import plan
     (["--refresh-below", "often"], "--refresh-below 'often' is invalid"),
     (["--method", "sgd"], "unknown --method 'sgd'"),
     (["--profile", "/nonexistent.json"], "--profile '/nonexistent.json' is invalid: no such file"),
+    (["--node-size", "0"], "--node-size 0 is invalid: must be >= 1"),
+    (["--node-size", "4"], "--node-size 4 is invalid: needs --bandwidth, the link between nodes"),
+    (["--node-size", "4", "--bandwidth", "1gbit", "--fast-bandwidth", "fast"],
+     "--fast-bandwidth 'fast' is invalid"),
+    (["--fast-latency", "-1"], "--fast-latency -1.0 is invalid"),
 ])
 def test_bad_flags_are_named_before_anything_runs(tmp_path, flags, message):
   with pytest.raises(SystemExit) as stop:

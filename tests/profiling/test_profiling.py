@@ -17,6 +17,7 @@ from dlgs_jax.compress import wire
 from dlgs_jax.workload import models
 from dlgs_jax.workload import parallel
 from dlgs_jax import profiling
+from dlgs_jax.planning import planner
 from dlgs_jax.planning import network
 from dlgs_jax.planning.timeline import LinearCost, Profile
 from tests.helpers import child_env
@@ -634,6 +635,17 @@ def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
   assert again.returncode == 0, again.stdout + again.stderr
   assert "16 workers, 1gbit links" in again.stdout
   assert json.loads((tmp_path / "smallcnn_dlgs_0.01_optimal_plan.json").read_text())["workers"] == 16
+  # 4 nodes of 8 devices: slices planned between nodes, each node's 10 Gbit/s shared by 8.
+  nodes = run_cli("--model", "smallcnn", "--density", "0.01", "--profile",
+                  str(tmp_path / "smallcnn_profile.json"), "--bandwidth", "10gbit",
+                  "--workers", "4", "--node-size", "8", "--out-dir", str(tmp_path))
+  assert nodes.returncode == 0, nodes.stdout + nodes.stderr
+  assert "4 nodes x 8 devices (two-level)" in nodes.stdout
+  assert "dense all-reduce (two-level, optimal fusion)" in nodes.stdout
+  two_level = planner.Plan.load(tmp_path / "smallcnn_dlgs_0.01_optimal_plan.json")
+  assert (two_level.workers, two_level.fast_size) == (4, 8)
+  assert two_level.fast_link == {"alpha": 2 * 7 * 5e-6, "beta": 8 / 2400e9}
+  assert Profile.from_dict(two_level.profile).comm["allgather"].beta == pytest.approx(8 / 1.25e9)
   wrong = run_cli("--model", "vgg16", "--profile", str(tmp_path / "smallcnn_profile.json"),
                   "--out-dir", str(tmp_path))
   assert wrong.returncode != 0 and "smallcnn" in wrong.stderr
