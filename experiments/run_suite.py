@@ -83,6 +83,13 @@ def full_steps() -> list[tuple[str, list[str]]]:
       ("compare_group_rule_vgg16", compare(
           "vgg16", 0.01, "dense,lags,dlgs,dlgs-paper", 6, 2, "--out-dir",
           r + "compare/batched/vgg16_1gbit_group_rule", plans="cluster")),
+      *[(f"nodes_measured_{model}_{link}", compare(
+          model, 0.01, "dense,dense@2l,dlgs,dlgs@2l,gtopk", 4, 2 if model == "resnet50" else 3,
+          "--workers", "2", "--local-devices", "2", "--out-dir",
+          f"{r}nodes/measured_{link}", bandwidth=link))
+        for model, links in [("resnet20", ["1gbit", "100mbit"]), ("vgg16", ["1gbit", "100mbit"]),
+                             ("resnet50", ["1gbit", "100mbit"])]
+        for link in links],
       ("compare_resnet50_0.1", compare("resnet50", 0.1, "dense,lags,dlgs,dlgs-paper", 6, 2,
                                        "--out-dir", r + "compare/leafwise_resnet50_0.1",
                                        plans="cluster_resnet50")),
@@ -101,6 +108,9 @@ def full_steps() -> list[tuple[str, list[str]]]:
       ("accuracy_planned", [e + "accuracy.py", "--methods", "dlgs", "--densities", "0.1,0.01",
                             "--seeds", "0,1,2", "--plan-dir", r + "cluster", "--runs-dir",
                             "runs/acc_planned", "--out-dir", r + "accuracy_planned"]),
+      ("accuracy_nodes", [e + "accuracy.py", "--methods", "dense,dlgs,dlgs@2l", "--densities",
+                          "0.1", "--seeds", "0,1,2", "--node-size", "2", "--runs-dir",
+                          "runs/acc_nodes", "--out-dir", r + "accuracy_nodes"]),
       ("accuracy_thresholds", [e + "accuracy.py", "--merge", ",".join(
           f"runs/acc_select_seed{seed}/results.json" for seed in range(3)),
           "--out-dir", r + "accuracy_thresholds"]),

@@ -94,6 +94,9 @@ def two_level(make: Callable[[Any], optax.GradientTransformation], *, fast_axis:
         lambda s: jnp.zeros(s.shape, s.dtype), slices_of(params))), jnp.zeros((), jnp.float32))
 
   def update_fn(updates, state, params=None):
+    if lax.axis_size(fast_axis) != fast_size:
+      raise ValueError(f"fast_size {fast_size} does not match the mesh axis {fast_axis!r} of "
+                       f"{lax.axis_size(fast_axis)} devices: the slices' shapes depend on it")
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     widths = [max(1, -(-x.size // fast_size)) for x in leaves]
     slices = _reduce_scatter(leaves, widths, fast_axis, fast_size)

@@ -23,11 +23,11 @@ SPARSE = {
 }
 
 
-def run(make, shape, steps, params=PARAMS):
+def run(make, shape, steps, params=PARAMS, fast_size=None):
   """(updates per step as seen by every device, states per step) of the two-level transform."""
   nodes, local = shape
   mesh = jax.make_mesh(shape, AXES, devices=jax.devices()[:nodes * local])
-  tx = two_level(make, fast_axis="local", slow_axis="node", fast_size=local)
+  tx = two_level(make, fast_axis="local", slow_axis="node", fast_size=fast_size or local)
   state = dlgs_jax.init_per_worker(tx, params, mesh)
   specs = dlgs_jax.state_specs(state, AXES)
 
@@ -139,3 +139,8 @@ def test_two_level_in_data_parallel_on_a_two_axis_mesh_matches_flat_dense():
 def test_bad_arguments_are_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
     two_level(SPARSE["dlgs"], **kwargs)
+
+
+def test_a_fast_size_other_than_the_local_axis_is_named():
+  with pytest.raises(ValueError, match="fast_size 2 does not match the mesh axis 'local' of 4"):
+    run(SPARSE["dlgs"], (2, 4), random_steps((2, 4), 1), fast_size=2)
