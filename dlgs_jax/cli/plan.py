@@ -180,8 +180,8 @@ def compare_planners(args, profile, costs) -> dict:
   from dlgs_jax.planning import planner
   from dlgs_jax.planning.timeline import MethodCosts, simulate
 
-  two_level = exchange_costs(args)
-  dense_costs = MethodCosts("dense", 1.0, **two_level)
+  two_level = costs.fast_size > 1
+  dense_costs = MethodCosts("dense", 1.0, fast_size=costs.fast_size, fast_link=costs.fast_link)
   dense_time = simulate(profile, planner.optimal(profile, dense_costs), dense_costs).t_iter
   print(f"\n{args.model}, {args.method} at density {args.density:g}, {_world(args, profile)}; "
         f"{profile.source}")
@@ -226,11 +226,11 @@ def main(argv=None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   profile = on_network(args, measured_profile(args, refresh, out_dir))
   fraction = exact_fraction(args, profile, refresh)
-  costs = MethodCosts(args.method, args.density, exact_fraction=fraction,
-                      **exchange_costs(args))
+  exchange = exchange_costs(args)
+  costs = MethodCosts(args.method, args.density, exact_fraction=fraction, **exchange)
   timelines = compare_planners(args, profile, costs)
   plan = planner.make_plan(profile, args.method, args.density, args.planner,
-                           exact_fraction=fraction, **exchange_costs(args))
+                           exact_fraction=fraction, **exchange)
   plan_path = out_dir / f"{args.model}_{args.method}_{args.density:g}_{args.planner}_plan.json"
   plan.save(plan_path)
   png = out_dir / f"{args.model}_{args.method}_{args.density:g}_timeline.png"

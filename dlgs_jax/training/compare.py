@@ -22,6 +22,7 @@ def _prepare(config: BenchmarkConfig, work) -> dict:
   on that mesh.
   """
   from dlgs_jax import training
+  from dlgs_jax.workload import parallel
 
   runs, nodes = {}, None
   for name in config.compare:
@@ -30,13 +31,13 @@ def _prepare(config: BenchmarkConfig, work) -> dict:
     if exchange_of(name)[1]:
       nodes = nodes or _node_workload(work)
       mesh, batches = nodes
-      axis, fast = tuple(mesh.axis_names), mesh.shape["local"]
+      axis, fast = tuple(mesh.axis_names), parallel.devices_per_node(mesh)
     tx = optimizer_for(config.compared_method(name), axis, groups, work.order, fast)
     runs[name] = {"state": training.train_state_from_variables(work.variables, tx, mesh),
                   "step": training.make_train_step(work.model, tx, mesh, augment=False),
                   "batches": batches, "turn": 0, "exact": [], "grouping": description,
                   "groups": len(groups) if groups else None,
-                  "local": mesh.shape["local"] if fast else 1}
+                  "local": parallel.devices_per_node(mesh)}
   return runs
 
 

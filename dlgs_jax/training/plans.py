@@ -50,6 +50,8 @@ def make_or_load_plan(config: RunConfig, mesh, paths: Sequence[str], workers: in
   Raises:
     PlanError: for a profile or plan made for another model, method or world.
   """
+  from dlgs_jax.workload import parallel
+
   settings = config.plan
   if settings.plan:
     plan = _load(planner.Plan.load, "plan", settings.plan)
@@ -61,22 +63,20 @@ def make_or_load_plan(config: RunConfig, mesh, paths: Sequence[str], workers: in
     raise PlanError(f"the plan was made for method {plan.method!r}, "
                     f"this run uses {config.method.name!r}")
   try:
-    plan.check_compatible(paths=paths, workers=workers, fast_size=_fast_size(mesh))
+    plan.check_compatible(paths=paths, workers=workers,
+                          fast_size=parallel.devices_per_node(mesh))
   except ValueError as e:
     raise PlanError(str(e)) from None
   return plan
 
 
-def _fast_size(mesh) -> int:
-  """Devices per node of a node mesh's two-level exchange; 1 for a flat mesh."""
-  return mesh.shape["local"] if len(mesh.axis_names) == 2 else 1
-
-
 def _fast_link(config: RunConfig, mesh, total: int, log):
   """The fast link's α-β cost inside a node, measured over the local axis (every process)."""
   from dlgs_jax import profiling
+  from dlgs_jax.workload import parallel
 
-  log(f"timing the all-reduce inside a node ({_fast_size(mesh)} devices) for the planner ...")
+  log(f"timing the all-reduce inside a node ({parallel.devices_per_node(mesh)} devices) for "
+      "the planner ...")
   costs, _ = profiling.measure_comm(mesh, profiling.comm_grid(total), config.method.density,
                                     axis="local", kinds=("allreduce",))
   return costs["allreduce"]
@@ -84,9 +84,10 @@ def _fast_link(config: RunConfig, mesh, total: int, log):
 
 def _profile(config: RunConfig, mesh, workers: int, log) -> Profile:
   from dlgs_jax import profiling
+  from dlgs_jax.workload import parallel
 
   settings, method = config.plan, config.method
-  fast_size = _fast_size(mesh)
+  fast_size = parallel.devices_per_node(mesh)
   between = workers // fast_size
   if settings.profile:
     profile = _load(Profile.load, "profile", settings.profile)
@@ -119,10 +120,10 @@ def _profile(config: RunConfig, mesh, workers: int, log) -> Profile:
 def _plan_here(config: RunConfig, mesh, workers: int, log) -> Optional[planner.Plan]:
   import jax
 
-  from dlgs_jax.workload import models
+  from dlgs_jax.workload import models, parallel
 
   profile = _profile(config, mesh, workers, log)
-  fast_size = _fast_size(mesh)
+  fast_size = parallel.devices_per_node(mesh)
   fast_link = _fast_link(config, mesh, sum(profile.sizes), log) if fast_size > 1 else None
   if jax.process_index() != 0:
     return None

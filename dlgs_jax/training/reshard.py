@@ -76,8 +76,15 @@ def redistribute(opt_state: Any, workers: int) -> Any:
   return jax.tree_util.tree_map(visit, opt_state, is_leaf=is_per_worker)
 
 
+def exchange_name(mesh) -> str:
+  """A run identity's ``exchange``: "flat", or "two-level NxL" for a node mesh (`nodes_of`)."""
+  if len(mesh.axis_names) == 2:
+    return "two-level {}x{}".format(*mesh.devices.shape)
+  return "flat"
+
+
 def nodes_of(exchange: str) -> Optional[tuple[int, int]]:
-  """(nodes, devices per node) of a run identity's ``exchange``; None for "flat"."""
+  """(nodes, devices per node) of a run identity's ``exchange`` (`exchange_name`); None for "flat"."""
   if exchange == "flat":
     return None
   kind, _, shape = exchange.partition(" ")

@@ -61,12 +61,11 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
   from dlgs_jax.training import reshard
   from dlgs_jax.workload import parallel
 
-  exchange = "two-level {}x{}".format(*run.mesh.devices.shape) if len(
-      run.mesh.axis_names) == 2 else "flat"
+  exchange = reshard.exchange_name(run.mesh)
   saved_exchange = differences.get("exchange", (exchange,))[0]
   saved_workers = int(differences.get("workers", (run.workers,))[0])
   old_fast = (reshard.nodes_of(saved_exchange) or (0, 1))[1]
-  new_fast = (reshard.nodes_of(exchange) or (0, 1))[1]
+  new_fast = parallel.devices_per_node(run.mesh)
   state = run.state
   saved_opt = jax.eval_shape(run.optimizer_for(old_fast if old_fast > 1 else None).init,
                              state.params)

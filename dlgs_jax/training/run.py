@@ -183,7 +183,7 @@ def build_run(config: RunConfig) -> Run:
                            order=order, seed=config.seed, warmup_steps=warmup,
                            fast_size=fast_size)
 
-  tx = optimizer_for(mesh.shape["local"] if two_level else None)
+  tx = optimizer_for(parallel.devices_per_node(mesh) if two_level else None)
   return Run(
       config=config, workdir=Path(config.checkpoint.workdir), train_set=train_set,
       test_set=test_set, dataset_name=dataset_name, mesh=mesh, workers=workers,
@@ -201,12 +201,13 @@ def build_run(config: RunConfig) -> Run:
 
 def run_identity(run: Run) -> dict:
   """What a checkpoint of this run must match: the config's identity and what it resolved to."""
+  from dlgs_jax.training import reshard
+
   config, method, plan = run.config, run.config.method, run.plan
   identity = config.identity()
   identity.update({
       "workers": run.workers,
-      "exchange": ("two-level {}x{}".format(*run.mesh.devices.shape)
-                   if len(run.mesh.axis_names) == 2 else "flat"),
+      "exchange": reshard.exchange_name(run.mesh),
       "send_whole": method.whole_paths(run.order) if method.spec.layer_wise else None,
       "dgc_warmup_steps": run.warmup if method.spec.holds_momentum else None,
       "plan_id": (hashlib.sha256(json.dumps(plan.groups).encode()).hexdigest()[:16]

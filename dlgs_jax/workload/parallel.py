@@ -71,6 +71,11 @@ def node_mesh(node_size: Optional[int] = None, axis_names=("node", "local")) -> 
   return Mesh(np.asarray(devices, dtype=object).reshape(-1, node_size), tuple(axis_names))
 
 
+def devices_per_node(mesh: Mesh) -> int:
+  """Devices per node of a node mesh (`node_mesh`); 1 for a flat (one-axis) mesh."""
+  return mesh.shape[mesh.axis_names[1]] if len(mesh.axis_names) == 2 else 1
+
+
 def per_worker_sharding(mesh: Mesh) -> NamedSharding:
   """A leading worker axis split over all of the mesh's axes."""
   return NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
@@ -83,12 +88,13 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 def replicate(tree: Any, mesh: Mesh) -> Any:
   """Places identical copies of `tree` on every device of `mesh`."""
   sharding = replicated_sharding(mesh)
+  return jax.tree_util.tree_map(lambda x: _from_host(x, sharding), tree)
 
-  def place(x):
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-  return jax.tree_util.tree_map(place, tree)
+def _from_host(x: Any, sharding: NamedSharding) -> jax.Array:
+  """A host array placed with `sharding`, each device taking its part (any process count)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def stack_per_worker(tree: Any, mesh: Mesh) -> Any:
@@ -226,11 +232,10 @@ def place_rows(opt_state: Any, mesh: Mesh) -> Any:
   sharding = per_worker_sharding(mesh)
 
   def rows(x):
-    x = np.asarray(x)
-    if x.shape[:1] != (mesh.devices.size,):
-      raise ValueError(f"a per-worker leaf of shape {x.shape} has no row per worker "
+    if np.shape(x)[:1] != (mesh.devices.size,):
+      raise ValueError(f"a per-worker leaf of shape {np.shape(x)} has no row per worker "
                        f"({mesh.devices.size})")
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return _from_host(x, sharding)
 
   return map_state(rows, lambda node: replicate(node, mesh), opt_state)
 
