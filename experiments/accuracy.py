@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ import numpy as np
 from dlgs_jax.cli.train import method_flags
 from dlgs_jax.compress.selection import num_to_keep
 from dlgs_jax.workload import models
+from dlgs_jax.compress.hierarchical import slice_shape
 from dlgs_jax.compress.methods import configurations, density_free
 from dlgs_jax.training.benchmark import exchange_of
 
@@ -156,7 +158,7 @@ def threshold_stats(steps, model: str, density: float, fast_size: int = 1) -> di
   two levels (`fast_size` devices per node) a worker selects on its 1/fast_size
   slice of each leaf, with that slice's k.
   """
-  sizes = [-(-int(np.prod(leaf.shape)) // fast_size)
+  sizes = [math.prod(slice_shape(leaf.shape, fast_size))
            for leaf in jax.tree_util.tree_leaves(models.param_shapes(model))]
   k = sum(num_to_keep(density, size) for size in sizes)
   sent = np.array([step["selected"] for step in steps]) / k
