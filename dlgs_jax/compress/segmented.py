@@ -112,9 +112,22 @@ def _repeat(values: jax.Array, counts: Sequence[int]) -> jax.Array:
   # makes every fused pass branch over L operands (LLVM ran out of memory on
   # ResNet-50's 161 leaves), and computing the table makes XLA fold it at
   # compile time (seconds).
-  table = np.repeat(np.arange(len(counts), dtype=np.int32), np.asarray(counts, np.int64))
-  return values[table] if len(counts) > 1 else jnp.broadcast_to(
-      values[0], (int(counts[0]),) + values.shape[1:])
+  if len(counts) == 1:
+    return jnp.broadcast_to(values[0], (int(counts[0]),) + values.shape[1:])
+  return values[_leaf_table(tuple(int(c) for c in counts))]
+
+
+@functools.lru_cache(maxsize=32)
+def _leaf_table(counts: tuple[int, ...]) -> jax.Array:
+  """Leaf l's number repeated counts[l] times, int32: one concrete array per layout.
+
+  The same array object every time it is asked for, so a program holds it
+  once however many passes index by it: a fresh NumPy table per pass put 37
+  copies of ResNet-50's 800K-word table (118 MB) into one update's program.
+  """
+  with jax.ensure_compile_time_eval():
+    return jnp.asarray(np.repeat(np.arange(len(counts), dtype=np.int32),
+                                 np.asarray(counts, np.int64)))
 
 
 def segment_sums(per_word_values: jax.Array, segs: Segments) -> jax.Array:
