@@ -177,3 +177,20 @@ def test_nonfinite_values_do_not_stall_the_batched_selection():
 def test_segments_refuse_an_empty_leaf():
   with pytest.raises(ValueError, match="no empty leaf, got sizes \\(3, 0\\)"):
     segmented.segments_of([3, 0])
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
+def test_a_groups_program_holds_its_table_of_leaf_numbers_once(monkeypatch, laid_out):
+  """Every pass that spreads per-leaf numbers over words indexes one constant
+  table; a table per pass put 37 copies of ResNet-50's (3 MB each) into one
+  update."""
+  monkeypatch.setattr(engine, "lay_out_by_default", lambda: laid_out)
+  params = {f"w{i:02d}": jnp.zeros((64, 40 + i)) for i in range(30)}
+  layout = engine.make_layout(params, None, None, single_group=True)
+  select = engine.Selection("threshold", 0.01, refresh_below=0.5, candidates=7)
+  words = segmented.segments_of(layout.sizes).num_words
+  text = jax.jit(lambda g, t, r: engine.select_threshold(select, layout, g, t, r)).lower(
+      jax.tree_util.tree_leaves(params), [jnp.zeros(())] * 30, jnp.bool_(False)).as_text()
+  tables = [line for line in text.splitlines()
+            if "constant" in line and f"tensor<{words}xi32>" in line.split("=")[-1]]
+  assert len(tables) == 1, tables
