@@ -241,15 +241,11 @@ def step_thresholds(
   return thresholds, words, redo.astype(jnp.int32) * sparse
 
 
-# With adaptation a leaf may pass up to this many times its buffer, and
-# `OVERFLOW_SLACK` values more, before its group recomputes: the buffer then
-# holds the first passing values in index order, all of them among the leaf's
-# ~2 k_l + 8 largest, and the rest wait in the residual. The slack is for the
-# smallest buffers: at density 0.01, 39 of ResNet-20's 59 leaves have k_l = 1,
-# and a count aimed at 0.7 values passes 3 at the slightest drift -- without
-# the slack those leaves made a merged group recompute on 31% of the steps.
+# With adaptation a leaf may pass up to this many times its buffer before its
+# group recomputes: the buffer then holds the first passing values in index
+# order, all of them among the leaf's ~2 k_l largest, and the rest wait in the
+# residual.
 OVERFLOW_FACTOR = 2
-OVERFLOW_SLACK = 8
 
 
 def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole) -> jax.Array:
@@ -262,7 +258,7 @@ def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole) -> jax
   of ResNet-20's 59 leaves recompute on every step at density 0.01 (and 0.1).
   With adaptation the group recomputes when its leaves together send fewer
   than ``refresh_below`` of the group's k, or one leaf passes more than
-  `OVERFLOW_FACTOR` times its buffer plus `OVERFLOW_SLACK` values.
+  `OVERFLOW_FACTOR` times its buffer.
   """
   sparse = ~np.asarray(whole)
   ks = np.asarray(ks)
@@ -271,7 +267,7 @@ def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole) -> jax
     return jnp.any(((passed < low) | (passed > capacities)) & sparse)
   sent = jnp.sum(jnp.where(sparse, jnp.minimum(passed, capacities), 0))
   short = sent < math.ceil(select.refresh_below * int(ks[sparse].sum()))
-  overflow = jnp.any((passed > OVERFLOW_FACTOR * capacities + OVERFLOW_SLACK) & sparse)
+  overflow = jnp.any((passed > OVERFLOW_FACTOR * capacities) & sparse)
   return short | overflow
 
 
