@@ -62,6 +62,9 @@ def parse_args(argv=None):
   parser.add_argument("--measure-profile", action="store_true",
                       help="measure --profile first, on the same cluster (the update timed for "
                       "the compared methods only)")
+  parser.add_argument("--compile-slots", type=int,
+                      help="nodes compiling at once, the others waiting their turn: the "
+                      "emulated nodes share this machine's memory (default: all at once)")
   parser.add_argument("--out-dir", default=str(HERE / "results" / "compare"))
   return parser.parse_args(argv)
 
@@ -220,6 +223,11 @@ def main(argv=None) -> int:
   from dlgs_jax.compress.methods import METHODS, base_method
   from dlgs_jax.training.benchmark import exchange_of
 
+  from dlgs_jax.training.compiling import check_slots
+  try:
+    check_slots(args.compile_slots)
+  except ValueError as error:
+    raise SystemExit(str(error)) from None
   if args.measure_profile and not args.profile:
     raise SystemExit("--measure-profile writes the profile to --profile: give its path")
   if args.profile and not args.measure_profile and not Path(args.profile).exists():
@@ -254,7 +262,9 @@ def main(argv=None) -> int:
                                      if args.image_size else [])
   bench_args = common + ["--compare", args.methods, "--rounds", str(args.rounds),
                          "--steps", str(args.steps), "--warmup", str(args.warmup),
-                         "--out", str(raw)]
+                         "--out", str(raw)] + (
+                             ["--compile-slots", str(args.compile_slots)]
+                             if args.compile_slots is not None else [])
   if plans:
     bench_args += ["--plans", ",".join(f"{name}={path}" for name, path in plans.items())]
   started = time.time()

@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--plans", default="", help="--compare: METHOD=PLAN.json,... groups for dense/DLGS/LAGS "
       "methods; dense and DLGS methods without one send the model as one message, LAGS one "
       "message per leaf")
+  add("--compile-slots", type=int, help="--compare: processes that compile at once, the "
+      "others waiting their turn (a host whose memory the processes share; default: all)")
   return parser.parse_args(argv)
 
 
@@ -106,7 +108,7 @@ def benchmark_config(args):
       model=args.model, method=method, batch_size=args.batch_size, image_size=args.image_size,
       plan=args.plan, steps=args.steps, warmup=args.warmup, batches=args.batches, out=args.out,
       compare=tuple(args.compare.split(",")) if args.compare else (), rounds=args.rounds,
-      plans=parse_plans(args.plans)).validate()
+      plans=parse_plans(args.plans), compile_slots=args.compile_slots).validate()
 
 
 def main(argv=None) -> int:

@@ -47,6 +47,7 @@ from typing import Optional
 
 from dlgs_jax.compress.methods import METHODS, MethodConfig, base_method, known, method_config
 from dlgs_jax.compress.optimizer import OptimizerConfig, build_optimizer
+from dlgs_jax.training.compiling import check_slots
 from dlgs_jax.training.plans import backward_order_of
 
 # The programs every process times, in the order of ``per_process_median``'s columns.
@@ -72,6 +73,8 @@ class BenchmarkConfig:
     compare: methods or variants `compare` times.
     rounds: `compare`'s rounds.
     plans: `compare`'s groups per method: name -> plan JSON.
+    compile_slots: `compare`: processes compiling at once, the others
+      waiting their turn (`compiling.compile_in_turns`); None: all at once.
   """
   model: str = "resnet20"
   method: MethodConfig = MethodConfig()
@@ -85,6 +88,7 @@ class BenchmarkConfig:
   compare: tuple = ()
   rounds: int = 8
   plans: dict = dataclasses.field(default_factory=dict)
+  compile_slots: Optional[int] = None
 
   def validate(self) -> "BenchmarkConfig":
     """Raises ValueError naming the first bad setting."""
@@ -92,10 +96,13 @@ class BenchmarkConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
     self.method.validate()
+    check_slots(self.compile_slots)
     if self.compare:
       self._validate_compare()
-    elif self.plans:
-      raise ValueError(f"--plans is for --compare; got --plans {self.plans!r} without it")
+    elif self.plans or self.compile_slots is not None:
+      given = "--plans" if self.plans else "--compile-slots"
+      raise ValueError(f"{given} is for --compare; got {given} "
+                       f"{self.plans or self.compile_slots!r} without it")
     return self
 
   def _validate_compare(self) -> None:

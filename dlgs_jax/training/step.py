@@ -67,7 +67,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     seed: augmentation seed.
 
   Returns:
-    A function. `images` (uint8) and `labels` are per-worker arrays of
+    A `TrainStep`, called as a function. `images` (uint8) and `labels` are per-worker arrays of
     shape ``(workers, batch, ...)``; metrics are replicated scalars: loss,
     accuracy and, when the optimizer holds `CommStats`, the mean bytes sent and
     values selected per worker this step, the count of skipped steps and the
@@ -89,11 +89,20 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
       loss_fn if augment else (lambda p, s, b: loss_fn(p, s, b)), tx, mesh,
       model_state=True, has_aux=True, seed=seed if augment else None)
 
-  def step(state: TrainState, images, labels):
-    new_state, metrics = stepper.step(sharded_step.StepState(*state), (images, labels))
+  return TrainStep(stepper)
+
+
+class TrainStep(NamedTuple):
+  """``step(state, images, labels) -> (state, metrics)``; `compile` prepares it without running."""
+  stepper: sharded_step.DataParallel
+
+  def __call__(self, state: TrainState, images, labels):
+    new_state, metrics = self.stepper.step(sharded_step.StepState(*state), (images, labels))
     return TrainState(*new_state), metrics
 
-  return step
+  def compile(self, state: TrainState, images, labels) -> None:
+    """Compiles the step for these inputs; nothing runs or is exchanged."""
+    self.stepper.compile(sharded_step.StepState(*state), (images, labels))
 
 
 def make_fingerprint_fn(mesh: Mesh) -> Callable:

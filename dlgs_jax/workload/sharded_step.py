@@ -52,6 +52,9 @@ class DataParallel(NamedTuple):
   step: Callable     # step(state, batch) -> (state, metrics); `state` is donated
   axis_name: Any     # the data axis or axes the step runs over
   batch_sharding: Any  # NamedSharding for a batch leaf (leading axis split over workers)
+  # compile(state, batch): compiles `step` for these inputs without running it
+  # (nothing is exchanged), so processes can compile when they choose.
+  compile: Callable
 
 
 def data_parallel(
@@ -122,20 +125,27 @@ def data_parallel(
                           state.step + 1)
     return new_state, metrics
 
-  compiled = {}
+  jitted = {}
 
-  def step(state: StepState, batch):
+  def program(state: StepState):
     specs = StepState(PartitionSpec(), PartitionSpec(),
                       parallel.state_specs(state.opt_state, axis_name), PartitionSpec())
     key = jax.tree_util.tree_structure(specs)
-    if key not in compiled:
-      compiled[key] = jax.jit(jax.shard_map(
+    if key not in jitted:
+      jitted[key] = jax.jit(jax.shard_map(
           local_step, mesh=mesh, in_specs=(specs, PartitionSpec(axis_name)),
           out_specs=(specs, PartitionSpec())), donate_argnums=0)
-    return compiled[key](state, batch)
+    return jitted[key]
+
+  def step(state: StepState, batch):
+    return program(state)(state, batch)
+
+  def compile_step(state: StepState, batch) -> None:
+    # jit keeps what it compiled ahead of time: the step then runs it.
+    program(state).lower(state, batch).compile()
 
   return DataParallel(init, step, axis_name,
-                      jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)))
+                      jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)), compile_step)
 
 
 def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -134,6 +135,9 @@ def test_benchmark_compares_methods_in_interleaved_rounds(tmp_path):
     (["--compare", "dense,topk", "--plans", "topk"],
      "--plans entries are METHOD=PLAN.json, got 'topk'"),
     (["--plans", "dense=p.json"], "--plans is for --compare"),
+    (["--compile-slots", "2"], "--compile-slots is for --compare; got --compile-slots 2"),
+    (["--compare", "dense,topk", "--compile-slots", "0"],
+     "--compile-slots must be an integer >= 1, got 0"),
     (["--compare", "dense,dlgs", "--plan", "p.json"],
      "--compare takes its plans as --plans METHOD=PLAN.json, got --plan 'p.json'"),
     (["--profile-methods", "dense"], "--profile-methods is for --profile-out"),
@@ -164,3 +168,26 @@ def test_compare_applies_the_shared_settings_and_lets_a_variant_override_them():
   assert (paper.name, paper.refresh_below, paper.min_ndim) == ("dlgs", None, 2)
   topk = config.compared_method("topk")
   assert topk.name == "topk" and topk.min_ndim == 0
+
+@pytest.mark.multiprocess
+def test_compare_compiles_one_process_at_a_time_and_steps_without_compiling_again(tmp_path):
+  out = tmp_path / "compare.json"
+  done = subprocess.run(
+      [sys.executable, "-m", "dlgs_jax.cli.launch", "--nproc", "2", "--module",
+       "dlgs_jax.cli.benchmark", "--", "--model", "smallcnn", "--density", "0.1",
+       "--compare", "dense,dlgs", "--rounds", "1", "--steps", "2", "--warmup", "1",
+       "--batches", "2", "--batch-size", "4", "--compile-slots", "1", "--out", str(out)],
+      env=child_env(JAX_LOG_COMPILES="1"), capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+  log = done.stdout + done.stderr
+  spans = {}
+  for rank in (0, 1):
+    found = re.search(rf"\[{rank}\] process {rank} compiled 2 steps from ([\d.]+) to ([\d.]+)",
+                      log)
+    assert found, log[-4000:]
+    spans[rank] = (float(found[1]), float(found[2]))
+    # Each method's step compiled once, in its turn: the warm-up and the timed
+    # steps run the compiled program.
+    assert log.count(f"[{rank}] Compiling jit(local_step)") == 2, log[-4000:]
+  assert spans[0][1] <= spans[1][0], spans
+  assert set(json.loads(out.read_text())["methods"]) == {"dense", "dlgs"}

@@ -158,6 +158,40 @@ def test_data_parallel_dense_matches_a_numpy_reference_over_steps():
   assert float(metrics["bytes_sent"]) == dlgs_jax.wire.allreduce_bytes(15 + 3, W)
 
 
+def test_a_compiled_step_runs_without_compiling_again_and_gives_the_same_steps():
+  m = mesh()
+  compiles = []
+
+  def listen(event, seconds, **_):
+    if event.endswith("backend_compile_duration"):
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    results = [run_steps_compiled_first(m, precompile, compiles) for precompile in (True, False)]
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  for key in PARAMS:
+    np.testing.assert_array_equal(results[0][key], results[1][key])
+
+
+def run_steps_compiled_first(m, precompile, compiles):
+  """Three DLGS steps; with `precompile`, compiled by `compile` first and none compiled after."""
+  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.sgd(0.05))
+  dp = dlgs_jax.data_parallel(squared_error, tx, m)
+  state = dp.init(PARAMS)
+  batch = jax.device_put((X, Y), dp.batch_sharding)
+  if precompile:
+    dp.compile(state, batch)
+    compiled = len(compiles)
+    assert compiled >= 1
+  for _ in range(3):
+    state, _ = dp.step(state, batch)
+  if precompile:
+    assert len(compiles) == compiled  # the steps ran the compiled program
+  return dlgs_jax.fetch(state.params)
+
+
 def count(jaxpr_text, primitive):
   return len(re.findall(rf" {primitive}(_invariant)?\[", jaxpr_text))
 
