@@ -231,7 +231,7 @@ def step_thresholds(
   chosen = _adapted(select, values, previous, ks)
   words = values.pack(chosen)
   passed = segmented.passing_counts(words, values.segs)
-  redo = recompute | _drifted(select, passed, ks, capacities, whole)
+  redo = recompute | _drifted(select, passed, ks, capacities, whole, previous > 0)
 
   def recomputed():
     thresholds = exact()
@@ -248,7 +248,8 @@ def step_thresholds(
 OVERFLOW_FACTOR = 2
 
 
-def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole) -> jax.Array:
+def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole, live: jax.Array
+             ) -> jax.Array:
   """Whether a group's reused thresholds are too far off, bool scalar.
 
   The refresh rule (one candidate) checks each leaf: fewer than
@@ -259,14 +260,22 @@ def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole) -> jax
   With adaptation the group recomputes when its leaves together send fewer
   than ``refresh_below`` of the group's k, or one leaf passes more than
   `OVERFLOW_FACTOR` times its buffer.
+
+  A leaf whose threshold is 0 (`live` false: its last exact step found fewer
+  than k_l nonzero values) sends every nonzero value it has, so it cannot
+  send too few: it counts in neither the leaf's check nor the group's. In a
+  ResNet-50 whose last BatchNorm scale of each block starts at zero, most
+  kernels' gradients are exactly zero for the first steps, and counting
+  them made the group recompute on every one of those steps.
   """
   sparse = ~np.asarray(whole)
   ks = np.asarray(ks)
   if select.candidates == 1:
     low = np.ceil(select.refresh_below * ks).astype(np.int64)
-    return jnp.any(((passed < low) | (passed > capacities)) & sparse)
-  sent = jnp.sum(jnp.where(sparse, jnp.minimum(passed, capacities), 0))
-  short = sent < math.ceil(select.refresh_below * int(ks[sparse].sum()))
+    return jnp.any((((passed < low) & live) | (passed > capacities)) & sparse)
+  counted = live & sparse
+  sent = jnp.sum(jnp.where(counted, jnp.minimum(passed, capacities), 0))
+  short = sent < jnp.ceil(select.refresh_below * jnp.sum(jnp.where(counted, ks, 0)))
   overflow = jnp.any((passed > OVERFLOW_FACTOR * capacities) & sparse)
   return short | overflow
 

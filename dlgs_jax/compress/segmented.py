@@ -360,9 +360,10 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   Per large leaf a strided sample gives a lower bound that about 1.5 k_l
   values exceed; the values above the bounds are compacted into buffers of
   about 2 k_l (small leaves: all their values) and `kth_largest` runs on those.
-  Where a bound misses (fewer than k_l or more than the buffer pass), one
-  conditional runs the bisection on the whole leaves, so the result is always
-  exact: `selection.kth_largest_abs`, leaf by leaf.
+  Where a bound misses (fewer than k_l or more than the buffer pass, unless
+  the bound is 0 and every nonzero value passed), one conditional runs the
+  bisection on the whole leaves, so the result is always exact:
+  `selection.kth_largest_abs`, leaf by leaf.
 
   A group of a few leaves kept leaf by leaf (CPU) takes
   `selection.kth_largest_abs` of each leaf instead: XLA:CPU pays for every
@@ -390,7 +391,11 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   found = kth_largest(values.take(positions, capacities), Segments(tuple(capacities)), ks)
   is_large = np.zeros(len(segs.sizes), bool)
   is_large[large] = True
-  missed = jnp.asarray(is_large) & ((passed < _int32(ks)) | (passed > _int32(capacities)))
+  # A bound of 0 lets every nonzero value pass: fewer than k_l of them make the
+  # k_l-th largest 0, which is what the candidates give (a ResNet-50 kernel
+  # whose gradient is all zeros would otherwise send every step to the fallback).
+  short = (passed < _int32(ks)) & (bounds > 0)
+  missed = jnp.asarray(is_large) & (short | (passed > _int32(capacities)))
   found = lax.cond(jnp.any(missed),
                    lambda: jnp.where(missed, values.kth_largest(ks), found),
                    lambda: found)

@@ -116,3 +116,32 @@ def test_a_leaf_far_over_its_buffer_recomputes_the_group():
   got, exact = reuse_step(select, layout, leaves, previous, laid_out=True)
   assert int(exact) == 2
   np.testing.assert_array_equal(got, [kth_largest(leaves[0], 500), kth_largest(leaves[1], 7)])
+
+
+@pytest.mark.parametrize("candidates", [7, 1])
+def test_a_leaf_with_nothing_to_send_does_not_make_its_group_recompute(candidates):
+  # A kernel whose gradient is all zeros (its exact threshold 0) passes
+  # nothing; beside a leaf whose reused threshold sends its k, the group keeps
+  # its thresholds. Counted as short, the zero leaf (half the group's k) would
+  # make the group recompute on every step.
+  layout = group_layout((5000, 5000))
+  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=candidates)
+  rng = np.random.default_rng(4)
+  leaves = [rng.standard_normal(5000).astype(np.float32), np.zeros(5000, np.float32)]
+  previous = np.array([kth_largest(leaves[0], 500), 0.0], np.float32)
+  got, exact = reuse_step(select, layout, leaves, previous, laid_out=False)
+  assert int(exact) == 0
+  assert got[1] == 0.0 and passing(leaves[0], got[0]) >= 250
+
+
+def test_a_zero_leaf_that_fills_past_its_buffer_still_recomputes():
+  # Threshold 0 lets every nonzero value pass: once the leaf holds more than
+  # twice its buffer of them, the group recomputes and finds its threshold.
+  layout = group_layout((5000, 5000))
+  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=7)
+  rng = np.random.default_rng(5)
+  leaves = [rng.standard_normal(5000).astype(np.float32) for _ in range(2)]
+  previous = np.array([kth_largest(leaves[0], 500), 0.0], np.float32)
+  got, exact = reuse_step(select, layout, leaves, previous, laid_out=True)
+  assert int(exact) == 2
+  np.testing.assert_array_equal(got, [kth_largest(x, 500) for x in leaves])

@@ -64,6 +64,36 @@ def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out, smalls):
 
 
 @pytest.mark.parametrize("laid_out", VIEWS)
+@pytest.mark.parametrize("nonzeros", [0, 300])
+def test_a_leaf_with_fewer_nonzeros_than_k_is_exact_without_the_fallback(
+    monkeypatch, laid_out, nonzeros):
+  # Its sampled bound is 0, every nonzero value passes, and its k-th largest
+  # is 0: the candidates give it. The fallback, made to answer -1 here, is
+  # taken only for a real miss (the third leaf's bound lets too many through).
+  monkeypatch.setattr(segmented.Values, "kth_largest",
+                      lambda self, ks: jnp.full((len(ks),), -1.0, jnp.float32))
+  size, k = 70000, 700
+  rng = np.random.default_rng(6)
+  sparse = np.zeros(size, np.float32)
+  sparse[rng.choice(size, nonzeros, replace=False)] = rng.standard_normal(nonzeros)
+  normal = rng.standard_normal(size).astype(np.float32)
+  missing = rng.uniform(0.1, 0.2, size).astype(np.float32)
+  missing[1::4] = rng.uniform(1.0, 2.0, missing[1::4].shape)
+
+  def thresholds(leaves):
+    segs = segmented.segments_of([size] * len(leaves))
+    return np.asarray(jax.jit(lambda ls: segmented.exact_thresholds(
+        segmented.values_of(ls, segs, laid_out), [k] * len(ls), [False] * len(ls)))(
+            [jnp.asarray(v) for v in leaves]))
+
+  # More leaves than a group taken leaf by leaf on CPU (segmented._FEW_LEAVES).
+  others = [normal * (i + 1) for i in range(4)]
+  want = [0.0] + [kth_largest_np(x, k) for x in others]
+  np.testing.assert_array_equal(thresholds([sparse, *others]), want)
+  np.testing.assert_array_equal(thresholds([sparse, *others, missing]), want + [-1.0])
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
 def test_compaction_matches_the_leaf_by_leaf_selection(laid_out):
   rng = np.random.default_rng(4)
   leaves = make_leaves(rng, zeros=0.3)
