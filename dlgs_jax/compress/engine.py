@@ -263,10 +263,9 @@ def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole, live: 
 
   A leaf whose threshold is 0 (`live` false: its last exact step found fewer
   than k_l nonzero values) sends every nonzero value it has, so it cannot
-  send too few: it counts in neither the leaf's check nor the group's. In a
-  ResNet-50 whose last BatchNorm scale of each block starts at zero, most
-  kernels' gradients are exactly zero for the first steps, and counting
-  them made the group recompute on every one of those steps.
+  send too few: it counts in neither the leaf's check nor the group's (a
+  ResNet-50 whose last BatchNorm scale of each block starts at zero has many
+  such kernels in its first steps; recomputing cannot make them send more).
   """
   sparse = ~np.asarray(whole)
   ks = np.asarray(ks)

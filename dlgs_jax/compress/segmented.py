@@ -392,8 +392,8 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   is_large = np.zeros(len(segs.sizes), bool)
   is_large[large] = True
   # A bound of 0 lets every nonzero value pass: fewer than k_l of them make the
-  # k_l-th largest 0, which is what the candidates give (a ResNet-50 kernel
-  # whose gradient is all zeros would otherwise send every step to the fallback).
+  # k_l-th largest 0, which is what the candidates give (an all-zero leaf would
+  # otherwise run the whole-leaf bisection only to find 0).
   short = (passed < _int32(ks)) & (bounds > 0)
   missed = jnp.asarray(is_large) & (short | (passed > _int32(capacities)))
   found = lax.cond(jnp.any(missed),
