@@ -189,7 +189,7 @@ def candidate_factors(candidates: int) -> np.ndarray:
 # a leaf near k_l in the count: a relative error of ~3%, against the ~19% step
 # between candidates.
 _COUNTED_NEAR_K = 1024
-_MAX_COUNT_STRIDE = 16
+_MAX_COUNT_STRIDE = 15
 
 
 def step_thresholds(
@@ -294,7 +294,8 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   if len(factors) == 1:
     return previous
   trials = previous[:, None] * factors[None, :]
-  strides = [min(_MAX_COUNT_STRIDE, max(1, k // _COUNTED_NEAR_K)) for k in ks]
+  strides = [segmented.odd_stride(min(_MAX_COUNT_STRIDE, max(1, k // _COUNTED_NEAR_K)))
+             for k in ks]
   counts = values.count_at(trials, strides).astype(jnp.float32) + 0.5
   target = jnp.asarray(math.sqrt(select.refresh_below) * np.asarray(ks, np.float32))[:, None]
   last_above = jnp.sum(counts > target, axis=1) - 1

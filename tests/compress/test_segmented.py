@@ -15,6 +15,8 @@ from tests.helpers import random_grads, run_steps
 # Sizes off the 32-value word (1, 33, 100), one large enough to be sampled.
 SIZES = (1, 33, 100, 4096, 70000)
 VIEWS = [pytest.param(False, id="leaf_by_leaf"), pytest.param(True, id="laid_out")]
+# The stride of the sample that bounds a leaf of 70,000 values at k = 700.
+STRIDE = segmented.odd_stride(70000 // 16384)
 
 
 def make_leaves(rng, sizes=SIZES, zeros=0.0):
@@ -52,7 +54,7 @@ def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out, smalls):
   # few leaves kept leaf by leaf each leaf takes selection.kth_largest_abs.
   size, k = 70000, 700
   x = np.random.default_rng(1).uniform(0.1, 0.2, size).astype(np.float32)
-  x[1::4] = np.random.default_rng(2).uniform(1.0, 2.0, x[1::4].shape)
+  x[1::STRIDE] = np.random.default_rng(2).uniform(1.0, 2.0, x[1::STRIDE].shape)
   small = [np.random.default_rng(3 + i).standard_normal(40).astype(np.float32)
            for i in range(smalls)]
   segs = segmented.segments_of([size] + [40] * smalls)
@@ -78,7 +80,7 @@ def test_a_leaf_with_fewer_nonzeros_than_k_is_exact_without_the_fallback(
   sparse[rng.choice(size, nonzeros, replace=False)] = rng.standard_normal(nonzeros)
   normal = rng.standard_normal(size).astype(np.float32)
   missing = rng.uniform(0.1, 0.2, size).astype(np.float32)
-  missing[1::4] = rng.uniform(1.0, 2.0, missing[1::4].shape)
+  missing[1::STRIDE] = rng.uniform(1.0, 2.0, missing[1::STRIDE].shape)
 
   def thresholds(leaves):
     segs = segmented.segments_of([size] * len(leaves))
@@ -91,6 +93,31 @@ def test_a_leaf_with_fewer_nonzeros_than_k_is_exact_without_the_fallback(
   want = [0.0] + [kth_largest_np(x, k) for x in others]
   np.testing.assert_array_equal(thresholds([sparse, *others]), want)
   np.testing.assert_array_equal(thresholds([sparse, *others, missing]), want + [-1.0])
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
+def test_a_kernel_whose_channels_differ_in_scale_is_bounded_by_its_sample(monkeypatch, laid_out):
+  # 1x1 kernels of 256 x 1024 whose 100 live output channels (the fastest
+  # axis) have log-normal scales, as a ResNet's do early on. Every 16th value
+  # would see 64 of the 1024 channels and miss in most draws; the sample's
+  # odd stride sees them all, so no leaf needs the fallback (made to answer -1).
+  monkeypatch.setattr(segmented.Values, "kth_largest",
+                      lambda self, ks: jnp.full((len(ks),), -1.0, jnp.float32))
+  rng = np.random.default_rng(8)
+  leaves = []
+  for _ in range(6):
+    x = np.zeros((256, 1024), np.float32)
+    live = rng.choice(1024, 100, replace=False)
+    x[:, live] = rng.standard_normal((256, 100)) * np.exp(2 * rng.standard_normal(100))
+    leaves.append(x.ravel())
+  size = leaves[0].size
+  k = selection.num_to_keep(0.01, size)
+  assert size // 16384 == 16 and segmented.odd_stride(16) == 17
+  segs = segmented.segments_of([size] * len(leaves))
+  got = np.asarray(jax.jit(lambda ls: segmented.exact_thresholds(
+      segmented.values_of(ls, segs, laid_out), [k] * len(ls), [False] * len(ls)))(
+          [jnp.asarray(x) for x in leaves]))
+  np.testing.assert_array_equal(got, [kth_largest_np(x, k) for x in leaves])
 
 
 @pytest.mark.parametrize("laid_out", VIEWS)
