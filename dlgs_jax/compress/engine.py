@@ -175,15 +175,24 @@ def lay_out_by_default() -> bool:
   return jax.default_backend() != "cpu"
 
 
-def candidate_factors(candidates: int) -> np.ndarray:
-  """Multipliers of a reused threshold tried on a reuse step: ``2^(j/4)``, two thirds below 1.
+def candidate_factors(candidates: int, k: int) -> np.ndarray:
+  """Multipliers of a reused threshold a leaf of k_l = k tries on a reuse step, two thirds below 1.
 
   Below, because right after an exact step the values sent leave the residual
   and the old threshold passes too few values (ResNet-20, density 0.1: 38% of k).
+  Spaced ``2^(1/8)`` apart where k is large: error feedback piles the residual
+  up just below the threshold, where a few percent change the count
+  several-fold. Spaced ``2^(1/2)`` where k is small: counts of a few values
+  move by whole values anyway, and the leaf's values move more from step to
+  step (BatchNorm parameters at density 0.01).
   """
   below = (2 * (candidates - 1) + 2) // 3
-  return (2.0 ** (np.arange(-below, candidates - below) / 4)).astype(np.float32)
+  octave = 8 if k >= _FINE_K else 2
+  return (2.0 ** (np.arange(-below, candidates - below) / octave)).astype(np.float32)
 
+
+# Leaves that keep at least this many values get finely spaced candidates.
+_FINE_K = 16
 
 # Counting candidates on every stride-th value keeps about this many values of
 # a leaf near k_l in the count: a relative error of ~3%, against the ~19% step
@@ -280,35 +289,47 @@ def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole, live: 
 
 
 def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, ks) -> jax.Array:
-  """Per leaf a threshold aimed at ``sqrt(refresh_below) * k_l`` values, float32 [L].
+  """Per leaf a threshold aimed at `adaptation_target` values, float32 [L].
 
   The candidates are `candidate_factors` multiples of `previous`; their counts
   fall with the threshold. Between the last candidate passing more than the
-  target and the next one, the threshold is interpolated on log(count) against
-  log(threshold) -- a tail's counts change 2-5x between candidates at density
-  0.01, too coarse for a band of 2x. The target is the band's geometric
-  middle, [refresh_below * k_l, k_l]. A leaf whose every candidate passes
-  more (fewer) takes the highest (lowest) one.
+  target and the next one, the threshold is interpolated linearly (count
+  against threshold): below a reused threshold, where the residual piles up,
+  the count is close to linear, and interpolating log(count) against
+  log(threshold) there overshot to 2-3 times the buffer (ResNet-20, density
+  0.01). A leaf whose every candidate passes more (fewer) takes the highest
+  (lowest) one.
   """
-  factors = candidate_factors(select.candidates)
-  if len(factors) == 1:
+  if select.candidates == 1:
     return previous
-  trials = previous[:, None] * factors[None, :]
+  factors = np.stack([candidate_factors(select.candidates, k) for k in ks])
+  trials = previous[:, None] * factors
   strides = [segmented.odd_stride(min(_MAX_COUNT_STRIDE, max(1, k // _COUNTED_NEAR_K)))
              for k in ks]
   counts = values.count_at(trials, strides).astype(jnp.float32) + 0.5
-  target = jnp.asarray(math.sqrt(select.refresh_below) * np.asarray(ks, np.float32))[:, None]
+  target = jnp.asarray(adaptation_target(select) * np.asarray(ks, np.float32))[:, None]
   last_above = jnp.sum(counts > target, axis=1) - 1
-  lo = jnp.clip(last_above, 0, len(factors) - 2)[:, None]
+  lo = jnp.clip(last_above, 0, factors.shape[1] - 2)[:, None]
   c_lo = jnp.take_along_axis(counts, lo, axis=1)
   c_hi = jnp.take_along_axis(counts, lo + 1, axis=1)
-  rise = jnp.log(c_lo) - jnp.log(target)
-  span = jnp.log(c_lo) - jnp.log(c_hi)
+  rise = c_lo - target
+  span = c_lo - c_hi
   part = jnp.where(span > 0, rise / jnp.where(span > 0, span, 1.0), (rise > 0).astype(jnp.float32))
   part = jnp.clip(part, 0.0, 1.0)[:, 0]
-  f_lo = jnp.asarray(factors)[lo[:, 0]]
-  step = jnp.asarray(factors[1] / factors[0], jnp.float32)
-  return previous * f_lo * step ** part
+  f_lo = jnp.take_along_axis(jnp.asarray(factors), lo, axis=1)[:, 0]
+  f_hi = jnp.take_along_axis(jnp.asarray(factors), lo + 1, axis=1)[:, 0]
+  return previous * (f_lo + part * (f_hi - f_lo))
+
+
+# Adapted thresholds aim below k_l: a leaf passing more than its buffer sends
+# its first passing values in index order, not its largest, and a linear
+# interpolation lands under its target where the counts are convex (the tail).
+_AIM = 0.9
+
+
+def adaptation_target(select: Selection) -> float:
+  """Values an adapted threshold aims to pass, as a fraction of k_l (within the band)."""
+  return max(_AIM, select.refresh_below)
 
 
 def threshold_indices(select: Selection, layout: Layout, leaves: Sequence[int],

@@ -148,8 +148,9 @@ def dlgs(
   residual, so the old threshold passes far fewer than k_l values (ResNet-20,
   density 0.1, reuse 10: 38% of k on average over two epochs) and training
   falls behind LAGS. So on a reuse step each leaf counts the values passing
-  at `candidates` multiples of its threshold and interpolates between the two
-  that bracket ``sqrt(refresh_below) * k_l`` values; every leaf's threshold in
+  at `candidates` multiples of its threshold and interpolates linearly
+  between the two that bracket ``0.9 * k_l`` values (``refresh_below * k_l``
+  if higher); every leaf's threshold in
   a group is recomputed exactly on that step when the group's leaves together
   send fewer than ``refresh_below`` of its k, or one leaf passes more than
   twice its buffer. With ``candidates=1`` (the refresh rule) the thresholds
@@ -185,9 +186,9 @@ def dlgs(
       candidate), or a leaf overflows its buffer (see above) (in [0, 1]);
       ``None``: never early (the paper).
     candidates: with `refresh_below`, thresholds each leaf tries on a reuse
-      step, multiples ``2^(j/4)`` of its reused one, two thirds below it,
-      between which it interpolates (in [1, 16]; 1: the reused threshold
-      only, the refresh rule).
+      step, multiples of its reused one (``2^(j/8)``, or ``2^(j/2)`` for
+      k_l < 16), two thirds below it, between which it interpolates (in
+      [1, 16]; 1: the reused threshold only, the refresh rule).
     min_ndim: leaves with fewer dimensions are sent whole (every nonzero
       value, in the same message), as DGC does for biases and normalisation
       parameters; 0 (the paper): every leaf is sparsified.

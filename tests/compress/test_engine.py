@@ -43,16 +43,16 @@ def kth_largest(x, k):
 
 
 def adapted_reference(x, previous, k, candidates, refresh_below):
-  """NumPy: the threshold interpolated between the candidates that bracket sqrt(r) k."""
-  factors = engine.candidate_factors(candidates)
+  """NumPy: the threshold interpolated linearly between the candidates that bracket 0.9 k."""
+  factors = engine.candidate_factors(candidates, k)
   trials = np.float32(previous) * factors
   counts = np.array([passing(x, t) for t in trials]) + 0.5
-  target = math.sqrt(refresh_below) * k
+  target = max(0.9, refresh_below) * k
   lo = min(max(int(np.sum(counts > target)) - 1, 0), len(factors) - 2)
-  rise = math.log(counts[lo]) - math.log(target)
-  span = math.log(counts[lo]) - math.log(counts[lo + 1])
-  part = rise / span if span > 0 else float(rise > 0)
-  return previous * factors[lo] * (factors[1] / factors[0]) ** min(max(part, 0.0), 1.0)
+  rise = counts[lo] - target
+  span = counts[lo] - counts[lo + 1]
+  part = min(max(rise / span if span > 0 else float(rise > 0), 0.0), 1.0)
+  return previous * (factors[lo] + part * (factors[lo + 1] - factors[lo]))
 
 
 @pytest.mark.parametrize("laid_out", [False, True])
@@ -102,6 +102,26 @@ def test_one_leaf_off_its_band_recomputes_the_group_only_under_the_refresh_rule(
     np.testing.assert_array_equal(got, [kth_largest(leaves[0], 1000), kth_largest(leaves[1], 2)])
   else:
     assert passing(leaves[1], got[1]) == 0 and got[1] < previous[1]
+
+
+@pytest.mark.parametrize("laid_out", [False, True])
+def test_a_residual_piled_up_below_the_threshold_is_not_overshot(laid_out):
+  # Error feedback piles values up just below a reused threshold H: here 60
+  # values above H and 3000 spread evenly over [0.8 H, H). The count is linear
+  # there, so the adapted threshold passes close to 0.9 k = 90 and the group
+  # keeps it; interpolating log count against log threshold between the
+  # candidates 2^(-1/8) H and H (1305 and 60 values) would pick 0.989 H and
+  # pass ~230, past twice the buffer of 100.
+  layout = group_layout((10000,))
+  select = engine.Selection("threshold", 0.01, refresh_below=0.5, candidates=7)
+  rng = np.random.default_rng(5)
+  values = np.concatenate([rng.uniform(1.0, 1.5, 60), rng.uniform(0.8, 1.0, 3000),
+                           rng.uniform(0.0, 0.3, 6940)]).astype(np.float32)
+  leaf = values * rng.choice([-1.0, 1.0], values.size).astype(np.float32)
+  got, exact = reuse_step(select, layout, [leaf], np.array([1.0], np.float32), laid_out)
+  assert int(exact) == 0
+  np.testing.assert_allclose(got, [adapted_reference(leaf, 1.0, 100, 7, 0.5)], rtol=2e-6)
+  assert 75 <= passing(leaf, got[0]) <= 105, passing(leaf, got[0])
 
 
 def test_a_leaf_far_over_its_buffer_recomputes_the_group():
