@@ -175,24 +175,26 @@ def lay_out_by_default() -> bool:
   return jax.default_backend() != "cpu"
 
 
-def candidate_factors(candidates: int, k: int) -> np.ndarray:
-  """Multipliers of a reused threshold a leaf of k_l = k tries on a reuse step, two thirds below 1.
+def candidate_factors(candidates: int) -> np.ndarray:
+  """Multipliers of a reused threshold tried on a reuse step: ``2^(j/8)``, two thirds below 1.
 
   Below, because right after an exact step the values sent leave the residual
   and the old threshold passes too few values (ResNet-20, density 0.1: 38% of k).
-  Spaced ``2^(1/8)`` apart where k is large: error feedback piles the residual
-  up just below the threshold, where a few percent change the count
-  several-fold. Spaced ``2^(1/2)`` where k is small: counts of a few values
-  move by whole values anyway, and the leaf's values move more from step to
-  step (BatchNorm parameters at density 0.01).
+  Close together, because error feedback piles the residual up just below the
+  threshold, where a few percent change the count several-fold.
   """
   below = (2 * (candidates - 1) + 2) // 3
-  octave = 8 if k >= _FINE_K else 2
-  return (2.0 ** (np.arange(-below, candidates - below) / octave)).astype(np.float32)
+  return (2.0 ** (np.arange(-below, candidates - below) / 8)).astype(np.float32)
 
 
-# Leaves that keep at least this many values get finely spaced candidates.
-_FINE_K = 16
+# Leaves that keep fewer values than this take their exact threshold on every
+# step, without the candidates: their counts move by whole values, too coarse
+# to aim with. With candidates, 32 of ResNet-20's 39 BatchNorm leaves (k = 1 at
+# density 0.01) passed nothing on a reuse step, and accuracy fell ~4 points;
+# picking the candidate that passed one value instead overflowed on nearly
+# every step. Their values are few (ResNet-20: 2.4K of 270K).
+ALWAYS_EXACT_BELOW_K = 16
+
 
 # Counting candidates on every stride-th value keeps about this many values of
 # a leaf near k_l in the count: a relative error of ~3%, against the ~19% step
@@ -211,7 +213,8 @@ def step_thresholds(
   `recompute`; otherwise the reused thresholds, adapted when
   ``select.refresh_below`` is set (`_adapted`): each leaf counts the values
   passing at ``select.candidates`` multiples of its threshold and
-  interpolates between the two that bracket its target count. The group
+  interpolates between the two that bracket its target count, and leaves of
+  k_l < `ALWAYS_EXACT_BELOW_K` take their exact threshold. The group
   recomputes exactly (one conditional per group) when `_drifted` says so.
   With one candidate this is the refresh rule; without ``refresh_below`` the
   paper's fixed schedule.
@@ -238,6 +241,10 @@ def step_thresholds(
     return thresholds, values.pack(thresholds), recompute.astype(jnp.int32) * sparse
   capacities = np.array([select.leaf_capacity(layout, leaf) for leaf in leaves])
   chosen = _adapted(select, values, previous, ks)
+  few = [i for i, (k, w) in enumerate(zip(ks, whole))
+         if k < ALWAYS_EXACT_BELOW_K and not w and select.candidates > 1]
+  if few:
+    chosen = chosen.at[np.asarray(few)].set(_exact_subset(values, few, [ks[i] for i in few]))
   words = values.pack(chosen)
   passed = segmented.passing_counts(words, values.segs)
   redo = recompute | _drifted(select, passed, ks, capacities, whole, previous > 0)
@@ -247,7 +254,15 @@ def step_thresholds(
     return thresholds, values.pack(thresholds)
 
   thresholds, words = lax.cond(redo, recomputed, lambda: (chosen, words))
-  return thresholds, words, redo.astype(jnp.int32) * sparse
+  return thresholds, words, jnp.where(redo, sparse, len(few)).astype(jnp.int32)
+
+
+def _exact_subset(values: segmented.Values, leaves: Sequence[int], ks) -> jax.Array:
+  """`segmented.exact_thresholds` of some of a group's leaves (float32 [len(leaves)])."""
+  sizes = [values.segs.sizes[i] for i in leaves]
+  subset = segmented.values_of([values.leaf(i) for i in leaves], segmented.segments_of(sizes),
+                               values.flat is not None)
+  return segmented.exact_thresholds(subset, ks, [False] * len(leaves))
 
 
 # With adaptation a leaf may pass up to this many times its buffer before its
@@ -302,7 +317,7 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   """
   if select.candidates == 1:
     return previous
-  factors = np.stack([candidate_factors(select.candidates, k) for k in ks])
+  factors = np.broadcast_to(candidate_factors(select.candidates), (len(ks), select.candidates))
   trials = previous[:, None] * factors
   strides = [segmented.odd_stride(min(_MAX_COUNT_STRIDE, max(1, k // _COUNTED_NEAR_K)))
              for k in ks]

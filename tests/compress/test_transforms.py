@@ -211,8 +211,9 @@ def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band()
 def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
   # Two groups; scales jump so that some steps drift out of the band. Within
   # a group, on each worker, either every threshold is exact this step or each
-  # moved within the candidates' range (exactly a candidate with one); and the
-  # exact count adds up by group.
+  # moved within the candidates' range (exactly a candidate with one); leaves
+  # of k < 16 are exact on every step with candidates; and the exact count
+  # adds up.
   density = 0.1
   groups = [ORDER[:2], ORDER[2:]]
   tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=100, order=ORDER, groups=groups,
@@ -221,6 +222,7 @@ def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
   steps = [random_grads(PARAMS, W, rng, scale=s) for s in (1.0, 1.0, 0.01, 1.0, 30.0, 1.0)]
   _, _, states = run_steps(tx, PARAMS, steps, W)
   paths = grouping.leaf_paths(PARAMS)
+  factors = engine.candidate_factors(candidates)
   residual = [np.zeros_like(x) for x in jax.tree_util.tree_leaves(steps[0])]
   previous, seen = None, set()
   for step, (grads, state) in enumerate(zip(steps, states)):
@@ -230,18 +232,20 @@ def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
       exact_leaves = 0
       for group in groups:
         leaves = [paths.index(p) for p in group]
-        exact = [np.sort(np.abs(accumulated[i][w]).ravel())[::-1][
-            max(1, int(np.ceil(density * accumulated[i][w].size))) - 1] for i in leaves]
+        ks = [max(1, int(np.ceil(density * accumulated[i][w].size))) for i in leaves]
+        exact = [np.sort(np.abs(accumulated[i][w]).ravel())[::-1][k - 1]
+                 for i, k in zip(leaves, ks)]
         got = [thresholds[i][w] for i in leaves]
+        few = [candidates > 1 and k < engine.ALWAYS_EXACT_BELOW_K for k in ks]
+        assert all(g == e for g, e, f in zip(got, exact, few) if f), (step, w, group)
         if got == exact:
           exact_leaves += len(leaves)
           seen.add("exact")
         else:
-          ratios = [thresholds[i][w] / previous[i][w] for i in leaves]
-          ranges = [engine.candidate_factors(candidates, max(1, int(np.ceil(
-              density * accumulated[i][w].size))))[[0, -1]] for i in leaves]
+          exact_leaves += sum(few)
+          ratios = [thresholds[i][w] / previous[i][w] for i, f in zip(leaves, few) if not f]
           assert step > 0 and all(
-              lo * (1 - 1e-6) <= r <= hi * (1 + 1e-6) for r, (lo, hi) in zip(ratios, ranges)), (
+              factors[0] * (1 - 1e-6) <= r <= factors[-1] * (1 + 1e-6) for r in ratios), (
                   step, w, group, ratios)
           assert candidates > 1 or ratios == [1.0] * len(leaves), (step, w, group, ratios)
           seen.add("adapted")
