@@ -45,6 +45,7 @@ from dlgs_jax.cli.train import method_flags
 from dlgs_jax.compress.selection import num_to_keep
 from dlgs_jax.workload import models
 from dlgs_jax.compress.hierarchical import slice_shape
+from dlgs_jax.compress.engine import ALWAYS_EXACT_BELOW_K
 from dlgs_jax.compress.methods import configurations, density_free
 from dlgs_jax.training.benchmark import exchange_of
 
@@ -147,23 +148,40 @@ def read_run(workdir: Path, model: str, density, fast_size: int = 1):
         steps.append(record)
   summary = json.loads((workdir / "summary.json").read_text())
   if density is not None and summary.get("method") == "dlgs" and steps:
-    summary["threshold_stats"] = threshold_stats(steps, model, density, fast_size)
+    method = json.loads((workdir / "config.json").read_text())["method"]
+    few_exact = method.get("refresh_below") is not None and method.get("candidates", 1) > 1
+    summary["threshold_stats"] = threshold_stats(
+        steps, model, density, fast_size, one_group=summary.get("plan_groups") == 1,
+        few_exact=few_exact)
   return epochs, summary
 
 
-def threshold_stats(steps, model: str, density: float, fast_size: int = 1) -> dict:
+def threshold_stats(steps, model: str, density: float, fast_size: int = 1, *,
+                    one_group: bool = False, few_exact: bool = False) -> dict:
   """Share of thresholds computed exactly, and values sent per step against k (sum of k_l).
 
   Per step the metrics hold one worker's values sent and leaves recomputed; in
   two levels (`fast_size` devices per node) a worker selects on its 1/fast_size
-  slice of each leaf, with that slice's k.
+  slice of each leaf, with that slice's k. With the whole model in one group
+  the leaves counted also tell how many values were under an exact threshold
+  (`exact_values_share`): the group recomputed, or only the leaves of
+  k < `engine.ALWAYS_EXACT_BELOW_K` did (`few_exact`: adapted thresholds).
   """
   sizes = [math.prod(slice_shape(leaf.shape, fast_size))
            for leaf in jax.tree_util.tree_leaves(models.param_shapes(model))]
-  k = sum(num_to_keep(density, size) for size in sizes)
+  ks = [num_to_keep(density, size) for size in sizes]
+  k = sum(ks)
   sent = np.array([step["selected"] for step in steps]) / k
-  exact = np.array([step["exact"] for step in steps]) / len(sizes)
-  return {"exact_share": float(exact.mean()), "sent_over_k_mean": float(sent.mean()),
+  leaves = np.array([step["exact"] for step in steps])
+  exact = leaves / len(sizes)
+  values_share = None
+  if one_group:
+    few = [kl < ALWAYS_EXACT_BELOW_K for kl in ks] if few_exact else [False] * len(ks)
+    regrouped = (leaves - sum(few)) / (len(sizes) - sum(few))  # steps the group recomputed
+    few_values = sum(size for size, f in zip(sizes, few) if f) / sum(sizes)
+    values_share = float(np.mean(regrouped + (1 - regrouped) * few_values))
+  return {"exact_share": float(exact.mean()), "exact_values_share": values_share,
+          "sent_over_k_mean": float(sent.mean()),
           "sent_over_k_sd": float(sent.std()),
           "sent_over_k_p10": float(np.percentile(sent, 10)),
           "sent_over_k_p90": float(np.percentile(sent, 90))}
@@ -314,15 +332,18 @@ def recorded_command(workdir: Path):
 
 def markdown_thresholds(results) -> str:
   """DLGS's thresholds per configuration: exact share, values sent against k (means over seeds)."""
-  lines = ["| method | density | seeds | exact thresholds | sent / k: mean | sd over steps | "
-           "10th-90th percentile |", "|---|---|---|---|---|---|---|"]
+  lines = ["| method | density | seeds | exact thresholds | values under an exact threshold | "
+           "sent / k: mean | sd over steps | 10th-90th percentile |",
+           "|---|---|---|---|---|---|---|---|"]
   for (method, density), runs in by_configuration(results).items():
     stats = [r["summary"]["threshold_stats"] for r in runs if "threshold_stats" in r["summary"]]
     if not stats:
       continue
     mean = lambda key: np.mean([s[key] for s in stats])  # noqa: E731
+    values = [s.get("exact_values_share") for s in stats]
+    values = f"{np.mean(values):.1%}" if None not in values else "-"
     lines.append(f"| {method} | {density:g} | {len(stats)} | {mean('exact_share'):.1%} | "
-                 f"{mean('sent_over_k_mean'):.2f} | {mean('sent_over_k_sd'):.2f} | "
+                 f"{values} | {mean('sent_over_k_mean'):.2f} | {mean('sent_over_k_sd'):.2f} | "
                  f"{mean('sent_over_k_p10'):.2f}-{mean('sent_over_k_p90'):.2f} |")
   return "\n".join(lines)
 

@@ -314,6 +314,17 @@ def test_accuracy_trains_a_name_with_2l_in_two_levels_and_counts_its_slices_k(tm
   assert stats["sent_over_k_mean"] == pytest.approx(0.75, abs=1e-3)
   assert stats["exact_share"] == 0.5
   assert accuracy.threshold_stats(steps, "resnet20", 0.1)["sent_over_k_mean"] < 0.6
+  assert stats["exact_values_share"] is None
+  # One group at density 0.01, adapted: the leaves of k < 16 are exact on
+  # every step; a step that counts only them has recomputed their values only.
+  ks = [accuracy.num_to_keep(0.01, n) for n in sizes]
+  few = [k < accuracy.ALWAYS_EXACT_BELOW_K for k in ks]
+  steps = [{"selected": 1, "exact": len(sizes)}, {"selected": 1, "exact": sum(few)}]
+  one = accuracy.threshold_stats(steps, "resnet20", 0.01, one_group=True, few_exact=True)
+  few_values = sum(n for n, f in zip(sizes, few) if f) / sum(sizes)
+  assert 0 < few_values < 0.02 and sum(few) == 41
+  assert one["exact_values_share"] == pytest.approx((1 + few_values) / 2)
+  assert one["exact_share"] == pytest.approx((len(sizes) + 41) / (2 * len(sizes)))
 
 
 @pytest.mark.slow
