@@ -86,8 +86,8 @@ FLAGS = (
          "fraction of k (or overflow the buffers); 'none': the paper's fixed schedule",
          parse_refresh_below, format=format_refresh_below),
     Flag("--candidates", _M, "candidates", "DLGS: thresholds each leaf tries on a reuse step, "
-         "multiples 2^(j/8) of its reused one (2^(j/2) for k < 16), interpolated between; 1: the "
-         "reused one only", int),
+         "multiples 2^(j/8) of its reused one, interpolated between (leaves of k < 16: exact "
+         "every step); 1: the reused one only", int),
     Flag("--min-ndim", _M, "min_ndim", "lags/dlgs: leaves with fewer dimensions are sent whole; "
          "0: every leaf is sparsified (the paper)", int),
     Flag("--send-whole", _M, "send_whole", "lags/dlgs: leaves sent whole, comma-separated leaf "

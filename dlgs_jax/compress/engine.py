@@ -197,7 +197,7 @@ ALWAYS_EXACT_BELOW_K = 16
 
 
 # Counting candidates on every stride-th value keeps about this many values of
-# a leaf near k_l in the count: a relative error of ~3%, against the ~19% step
+# a leaf near k_l in the count: a relative error of ~3%, against the ~9% step
 # between candidates.
 _COUNTED_NEAR_K = 1024
 _MAX_COUNT_STRIDE = 15

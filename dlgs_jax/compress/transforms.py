@@ -186,9 +186,10 @@ def dlgs(
       candidate), or a leaf overflows its buffer (see above) (in [0, 1]);
       ``None``: never early (the paper).
     candidates: with `refresh_below`, thresholds each leaf tries on a reuse
-      step, multiples of its reused one (``2^(j/8)``, or ``2^(j/2)`` for
-      k_l < 16), two thirds below it, between which it interpolates (in
-      [1, 16]; 1: the reused threshold only, the refresh rule).
+      step, multiples ``2^(j/8)`` of its reused one, two thirds below it,
+      between which it interpolates; leaves of k_l < 16 take their exact
+      threshold on every step instead (in [1, 16]; 1: the reused threshold
+      only, the refresh rule).
     min_ndim: leaves with fewer dimensions are sent whole (every nonzero
       value, in the same message), as DGC does for biases and normalisation
       parameters; 0 (the paper): every leaf is sparsified.
