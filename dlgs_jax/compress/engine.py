@@ -317,22 +317,22 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   """
   if select.candidates == 1:
     return previous
-  factors = np.broadcast_to(candidate_factors(select.candidates), (len(ks), select.candidates))
-  trials = previous[:, None] * factors
+  factors = candidate_factors(select.candidates)
+  trials = previous[:, None] * factors[None, :]
   strides = [segmented.odd_stride(min(_MAX_COUNT_STRIDE, max(1, k // _COUNTED_NEAR_K)))
              for k in ks]
   counts = values.count_at(trials, strides).astype(jnp.float32) + 0.5
   target = jnp.asarray(adaptation_target(select) * np.asarray(ks, np.float32))[:, None]
   last_above = jnp.sum(counts > target, axis=1) - 1
-  lo = jnp.clip(last_above, 0, factors.shape[1] - 2)[:, None]
+  lo = jnp.clip(last_above, 0, len(factors) - 2)[:, None]
   c_lo = jnp.take_along_axis(counts, lo, axis=1)
   c_hi = jnp.take_along_axis(counts, lo + 1, axis=1)
   rise = c_lo - target
   span = c_lo - c_hi
   part = jnp.where(span > 0, rise / jnp.where(span > 0, span, 1.0), (rise > 0).astype(jnp.float32))
   part = jnp.clip(part, 0.0, 1.0)[:, 0]
-  f_lo = jnp.take_along_axis(jnp.asarray(factors), lo, axis=1)[:, 0]
-  f_hi = jnp.take_along_axis(jnp.asarray(factors), lo + 1, axis=1)[:, 0]
+  f_lo = jnp.asarray(factors)[lo[:, 0]]
+  f_hi = jnp.asarray(factors)[lo[:, 0] + 1]
   return previous * (f_lo + part * (f_hi - f_lo))
 
 
