@@ -319,8 +319,8 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
     return previous
   factors = candidate_factors(select.candidates)
   trials = previous[:, None] * factors[None, :]
-  strides = [segmented.odd_stride(min(_MAX_COUNT_STRIDE, max(1, k // _COUNTED_NEAR_K)))
-             for k in ks]
+  strides = [segmented.coprime_stride(min(_MAX_COUNT_STRIDE, k // _COUNTED_NEAR_K), size)
+             for k, size in zip(ks, values.segs.sizes)]
   counts = values.count_at(trials, strides).astype(jnp.float32) + 0.5
   target = jnp.asarray(adaptation_target(select) * np.asarray(ks, np.float32))[:, None]
   last_above = jnp.sum(counts > target, axis=1) - 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ from tests.helpers import random_grads, run_steps
 SIZES = (1, 33, 100, 4096, 70000)
 VIEWS = [pytest.param(False, id="leaf_by_leaf"), pytest.param(True, id="laid_out")]
 # The stride of the sample that bounds a leaf of 70,000 values at k = 700.
-STRIDE = segmented.odd_stride(70000 // 16384)
+STRIDE = segmented.coprime_stride(70000 // 16384, 70000)
 
 
 def make_leaves(rng, sizes=SIZES, zeros=0.0):
@@ -100,7 +101,8 @@ def test_a_kernel_whose_channels_differ_in_scale_is_bounded_by_its_sample(monkey
   # 1x1 kernels of 256 x 1024 whose 100 live output channels (the fastest
   # axis) have log-normal scales, as a ResNet's do early on. Every 16th value
   # would see 64 of the 1024 channels and miss in most draws; the sample's
-  # odd stride sees them all, so no leaf needs the fallback (made to answer -1).
+  # stride coprime to the size sees them all, so no leaf needs the fallback
+  # (made to answer -1).
   monkeypatch.setattr(segmented.Values, "kth_largest",
                       lambda self, ks: jnp.full((len(ks),), -1.0, jnp.float32))
   rng = np.random.default_rng(8)
@@ -112,12 +114,52 @@ def test_a_kernel_whose_channels_differ_in_scale_is_bounded_by_its_sample(monkey
     leaves.append(x.ravel())
   size = leaves[0].size
   k = selection.num_to_keep(0.01, size)
-  assert size // 16384 == 16 and segmented.odd_stride(16) == 17
+  assert size // 16384 == 16 and segmented.coprime_stride(16, size) == 15
   segs = segmented.segments_of([size] * len(leaves))
   got = np.asarray(jax.jit(lambda ls: segmented.exact_thresholds(
       segmented.values_of(ls, segs, laid_out), [k] * len(ls), [False] * len(ls)))(
           [jnp.asarray(x) for x in leaves]))
   np.testing.assert_array_equal(got, [kth_largest_np(x, k) for x in leaves])
+
+
+def test_coprime_stride_is_the_largest_sharing_no_factor_with_the_size():
+  for stride, size in [(1, 64), (16, 1 << 18), (125, 2048 * 1000), (4, 70000), (7, 36864), (9, 9)]:
+    got = segmented.coprime_stride(stride, size)
+    assert 1 <= got <= stride and math.gcd(got, size) == 1
+    assert all(math.gcd(s, size) > 1 for s in range(got + 1, stride + 1))
+  assert segmented.coprime_stride(125, 2048 * 1000) == 123
+  assert segmented.coprime_stride(0, 10) == 1
+
+
+@pytest.mark.parametrize("laid_out", VIEWS)
+def test_an_output_layer_whose_classes_differ_in_scale_is_bounded_by_its_sample(
+    monkeypatch, laid_out):
+  # A 2048 x 1000 output layer's gradient from a batch of 8: features times
+  # (softmax - one-hot), so the 8 labels' columns hold the large values. Every
+  # 125th value (2,048,000 / 16,384) sees only classes 0, 125, ..., 875, and
+  # its bound passes fewer than k or more than the buffer (2 k); the coprime
+  # stride sees every class. Five such leaves: fewer are selected leaf by leaf.
+  monkeypatch.setattr(segmented.Values, "kth_largest",
+                      lambda self, ks: jnp.full((len(ks),), -1.0, jnp.float32))
+  rng = np.random.default_rng(3)
+  leaves = []
+  for _ in range(5):
+    features = np.abs(rng.standard_normal((8, 2048))).astype(np.float32)
+    logits = rng.standard_normal((8, 1000))
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    probs[np.arange(8), rng.choice(np.arange(1000)[np.arange(1000) % 125 > 0], 8)] -= 1.0
+    leaves.append((features.T @ probs.astype(np.float32)).ravel())
+  size = leaves[0].size
+  k = selection.num_to_keep(0.01, size)
+  for x in leaves:
+    sample = np.sort(np.abs(x[::125]))[::-1]
+    naive = sample[int(np.ceil(sample.size * 1.5 * k / size)) - 1]
+    assert not k <= np.sum(np.abs(x) >= naive) <= 2 * k  # the stride dividing 1000 misses
+  segs = segmented.segments_of([size] * len(leaves))
+  got = jax.jit(lambda ls: segmented.exact_thresholds(
+      segmented.values_of(ls, segs, laid_out), [k] * len(ls), [False] * len(ls)))(
+          [jnp.asarray(x) for x in leaves])
+  np.testing.assert_array_equal(np.asarray(got), [kth_largest_np(x, k) for x in leaves])
 
 
 @pytest.mark.parametrize("laid_out", VIEWS)
