@@ -42,8 +42,7 @@ def compile_in_turns(compile_all: Callable[[], None], slots: Optional[int]
   Args:
     compile_all: this process's compilations; it must not run a collective
       (e.g. `TrainStep.compile`, not a step).
-    slots: processes compiling at once, in index order (None: all at once,
-      no barrier).
+    slots: processes compiling at once, in index order (None: all at once).
 
   Returns:
     The wall-clock times (``time.time()``) at which this process's
@@ -53,11 +52,15 @@ def compile_in_turns(compile_all: Callable[[], None], slots: Optional[int]
   import jax
   from jax.experimental import multihost_utils
 
-  if slots is None or jax.process_count() <= slots:
+  if jax.process_count() == 1:
     return _timed(compile_all)
-  # The first collective sets up the processes' connections, which must come
-  # up within seconds of each other; later barriers wait as long as a turn.
+  # The first collective sets up the processes' connections (gloo: within 30 s
+  # of each other), so it runs before compiling, while the processes are
+  # together; later barriers wait as long as a turn. Processes compiling at
+  # once finish apart too: VGG16's train steps took 719-747 s in four
+  # processes, and a first step after them failed to connect.
   multihost_utils.sync_global_devices("compile turns")
+  slots = jax.process_count() if slots is None else slots
   turns = turn_of(jax.process_count() - 1, slots) + 1
   for turn in range(turns):
     if turn == turn_of(jax.process_index(), slots):
