@@ -86,12 +86,6 @@ def full_steps() -> list[tuple[str, list[str]]]:
         for link in ["", "100mbit"]
         for suffix, methods in [("", "dense,topk,dlgs,dlgs-paper"),
                                 ("_lags_gtopk", "dense,lags,gtopk,dlgs")]],
-      ("compare_group_rule_resnet20", compare(
-          "resnet20", 0.01, "dense,topk,dlgs,dlgs-paper", 20, 3, "--out-dir",
-          r + "compare/batched/resnet20_1gbit_group_rule", plans="cluster_resnet20")),
-      ("compare_group_rule_vgg16", compare(
-          "vgg16", 0.01, "dense,lags,dlgs,dlgs-paper", 6, 2, "--out-dir",
-          r + "compare/batched/vgg16_1gbit_group_rule", plans="cluster")),
       *[(f"nodes_measured_{model}_{link}", compare(
           model, 0.01, "dense,dense@2l,dlgs,dlgs@2l,gtopk", 4, 2 if model == "resnet50" else 3,
           "--workers", "2", "--local-devices", "2", "--out-dir",
