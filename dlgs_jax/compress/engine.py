@@ -240,9 +240,10 @@ def step_thresholds(
     thresholds = lax.cond(recompute, exact, lambda: previous)
     return thresholds, values.pack(thresholds), recompute.astype(jnp.int32) * sparse
   capacities = np.array([select.leaf_capacity(layout, leaf) for leaf in leaves])
-  chosen = _adapted(select, values, previous, ks)
   few = [i for i, (k, w) in enumerate(zip(ks, whole))
          if k < ALWAYS_EXACT_BELOW_K and not w and select.candidates > 1]
+  aimed = [i for i, w in enumerate(whole) if not w and i not in few]
+  chosen = _adapted(select, values, previous, ks, aimed)
   if few:
     chosen = chosen.at[np.asarray(few)].set(_exact_subset(values, few, [ks[i] for i in few]))
   words = values.pack(chosen)
@@ -303,8 +304,9 @@ def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole, live: 
   return short | overflow
 
 
-def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, ks) -> jax.Array:
-  """Per leaf a threshold aimed at `adaptation_target` values, float32 [L].
+def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, ks,
+             aimed: Sequence[int]) -> jax.Array:
+  """Thresholds of the `aimed` leaves aimed at `adaptation_target` values, float32 [L].
 
   The candidates are `candidate_factors` multiples of `previous`; their counts
   fall with the threshold. Between the last candidate passing more than the
@@ -313,16 +315,18 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   the count is close to linear, and interpolating log(count) against
   log(threshold) there overshot to 2-3 times the buffer (ResNet-20, density
   0.01). A leaf whose every candidate passes more (fewer) takes the highest
-  (lowest) one.
+  (lowest) one. The other leaves (sent whole, or exact on every step) keep
+  `previous` and are not counted.
   """
-  if select.candidates == 1:
+  if select.candidates == 1 or not aimed:
     return previous
+  aimed_at = np.asarray(aimed)
   factors = candidate_factors(select.candidates)
-  trials = previous[:, None] * factors[None, :]
-  strides = [segmented.coprime_stride(min(_MAX_COUNT_STRIDE, k // _COUNTED_NEAR_K), size)
-             for k, size in zip(ks, values.segs.sizes)]
-  counts = values.count_at(trials, strides).astype(jnp.float32) + 0.5
-  target = jnp.asarray(adaptation_target(select) * np.asarray(ks, np.float32))[:, None]
+  trials = previous[aimed_at][:, None] * factors[None, :]
+  strides = [segmented.coprime_stride(min(_MAX_COUNT_STRIDE, ks[i] // _COUNTED_NEAR_K),
+                                      values.segs.sizes[i]) for i in aimed]
+  counts = values.count_at(trials, strides, aimed).astype(jnp.float32) + 0.5
+  target = jnp.asarray(adaptation_target(select) * np.asarray(ks, np.float32)[aimed_at])[:, None]
   last_above = jnp.sum(counts > target, axis=1) - 1
   lo = jnp.clip(last_above, 0, len(factors) - 2)[:, None]
   c_lo = jnp.take_along_axis(counts, lo, axis=1)
@@ -333,7 +337,7 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   part = jnp.clip(part, 0.0, 1.0)[:, 0]
   f_lo = jnp.asarray(factors)[lo[:, 0]]
   f_hi = jnp.asarray(factors)[lo[:, 0] + 1]
-  return previous * (f_lo + part * (f_hi - f_lo))
+  return previous.at[aimed_at].set(previous[aimed_at] * (f_lo + part * (f_hi - f_lo)))
 
 
 # Adapted thresholds aim below k_l: a leaf passing more than its buffer sends

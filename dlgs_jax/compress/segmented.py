@@ -312,10 +312,21 @@ class Values:
              for i, local in enumerate(local_indices(positions, self.segs, capacities))]
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
-  def count_at(self, thresholds: jax.Array, strides: Sequence[int]) -> jax.Array:
-    """Values ``|x| >= t`` (and nonzero) per leaf and threshold, [L, M] int32, from every
-    strides[l]-th value of leaf l, scaled by the stride: estimates where a stride is > 1."""
-    parts = [self.leaf(i)[::stride] for i, stride in enumerate(strides)]
+  def count_at(self, thresholds: jax.Array, strides: Sequence[int],
+               leaves: Optional[Sequence[int]] = None) -> jax.Array:
+    """Values ``|x| >= t`` (and nonzero) per leaf and threshold, from a sample.
+
+    Args:
+      thresholds: float32 [N, M], M thresholds for each leaf counted.
+      strides: per leaf counted, the count takes every stride-th value and
+        scales by the stride (an estimate where the stride is > 1).
+      leaves: the N leaves counted (default: all, in order).
+
+    Returns:
+      int32 [N, M].
+    """
+    leaves = range(len(self.segs.sizes)) if leaves is None else leaves
+    parts = [self.leaf(i)[::stride] for i, stride in zip(leaves, strides)]
     if self.flat is None:
       counts = jnp.stack([_count_leaf(part, thresholds[i]) for i, part in enumerate(parts)])
     else:

@@ -190,7 +190,7 @@ def test_compaction_matches_the_leaf_by_leaf_selection(laid_out):
     offset += c
 
 
-def test_both_views_count_the_same_and_match_numpy():
+def test_both_views_count_the_same_and_match_numpy_for_all_leaves_or_some():
   rng = np.random.default_rng(5)
   leaves = make_leaves(rng, zeros=0.2)
   segs = segmented.segments_of(SIZES)
@@ -203,6 +203,12 @@ def test_both_views_count_the_same_and_match_numpy():
     sample = np.abs(x[::s])
     want = [s * int(np.sum((sample >= v) & (sample > 0))) for v in t]
     np.testing.assert_array_equal(got, want)
+  some = [4, 1]
+  for v in (False, True):
+    subset = jax.jit(lambda ls, v=v: segmented.values_of(ls, segs, v).count_at(
+        jnp.asarray(trials[some]), [strides[i] for i in some], some))(
+            [jnp.asarray(x) for x in leaves])
+    np.testing.assert_array_equal(subset, counts[0][some])
 
 
 def test_bisection_with_fewer_bits_gives_a_close_lower_bound():
