@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
