@@ -4,9 +4,11 @@ On the real leaf shapes of ResNet-20, VGG16 (CIFAR) and ResNet-50, at density
 0.1 and 0.01, times under `jax.jit` on random gradients:
 
 * ``dlgs``: DLGS selection amortised over ``reuse_every`` steps -- one step
-  computes every leaf's exact threshold, the others reuse it; each step then
-  selects ``|g| >= H`` into the fixed-capacity buffers (also reported: the
-  exact and the reuse step alone);
+  computes every leaf's exact threshold, the others reuse it (adapted to the
+  values, the default); each step then selects ``|g| >= H`` into the
+  fixed-capacity buffers (also reported: the exact and the reuse step alone);
+* ``paper``: the same on the paper's fixed schedule (thresholds reused as
+  they are: ``refresh_below=None``), what the adaptation costs;
 * ``lags``: exact ``lax.top_k`` of every leaf, every step;
 * ``topk``: one ``lax.top_k`` over all leaves concatenated;
 * ``*_update``: the whole transform update on one worker (residual add,
@@ -46,17 +48,25 @@ def median_ms(fn, repeats: int) -> float:
   return profiling.median_seconds(fn, repeats) * 1e3
 
 
+def threshold_step(layout, select, reuse_every):
+  """DLGS's selection of one step under `select` (jitted), exact when count % reuse_every == 0."""
+
+  @jax.jit
+  def step(leaves, thresholds, count):
+    thresholds, chosen, _ = engine.select_threshold(
+        select, layout, leaves, thresholds, count % reuse_every == 0)
+    return [indices for indices, _ in chosen], thresholds
+
+  return step
+
+
 def make_selectors(params, density, reuse_every, single, candidates):
   layout = engine.make_layout(params, None, None, single_group=single)
   sizes = layout.sizes
   select = engine.Selection("threshold", density, refresh_below=0.5, candidates=candidates)
   ks = [select.leaf_k(layout, leaf) for leaf in range(len(sizes))]
-
-  @jax.jit
-  def dlgs_step(leaves, thresholds, count):
-    thresholds, chosen, _ = engine.select_threshold(
-        select, layout, leaves, thresholds, count % reuse_every == 0)
-    return [indices for indices, _ in chosen], thresholds
+  dlgs_step = threshold_step(layout, select, reuse_every)
+  paper_step = threshold_step(layout, engine.Selection("threshold", density), reuse_every)
 
   @jax.jit
   def lags_step(leaves):
@@ -68,7 +78,7 @@ def make_selectors(params, density, reuse_every, single, candidates):
   def topk_step(leaves):
     return selection.topk_indices(jnp.concatenate([g.reshape(-1) for g in leaves]), total_k)
 
-  return dlgs_step, lags_step, topk_step
+  return dlgs_step, paper_step, lags_step, topk_step
 
 
 def bench_config(name, density, reuse_every, repeats, with_updates, single, candidates):
@@ -78,24 +88,25 @@ def bench_config(name, density, reuse_every, repeats, with_updates, single, cand
       lambda s: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32)), params)
   leaves = jax.tree_util.tree_leaves(grads)
   sizes = [int(g.size) for g in leaves]
-  dlgs_step, lags_step, topk_step = make_selectors(params, density, reuse_every, single,
-                                                   candidates)
+  dlgs_step, paper_step, lags_step, topk_step = make_selectors(
+      params, density, reuse_every, single, candidates)
   thresholds = [jnp.zeros((), jnp.float32) for _ in leaves]
   _, thresholds = dlgs_step(leaves, thresholds, jnp.int32(0))
 
-  def dlgs_cycle():
+  def cycle(step):
     out = None
     for count in range(reuse_every):
-      out = dlgs_step(leaves, thresholds, jnp.int32(count))
+      out = step(leaves, thresholds, jnp.int32(count))
     return out
 
   row = {
       "model": name, "density": density, "reuse_every": reuse_every,
       "grouping": "single" if single else "leaf", "candidates": candidates,
       "params": sum(sizes), "leaves": len(sizes),
-      "dlgs_ms": median_ms(dlgs_cycle, repeats) / reuse_every,
+      "dlgs_ms": median_ms(lambda: cycle(dlgs_step), repeats) / reuse_every,
       "dlgs_exact_step_ms": median_ms(lambda: dlgs_step(leaves, thresholds, jnp.int32(0)), repeats),
       "dlgs_reuse_step_ms": median_ms(lambda: dlgs_step(leaves, thresholds, jnp.int32(1)), repeats),
+      "paper_ms": median_ms(lambda: cycle(paper_step), repeats) / reuse_every,
       "lags_ms": median_ms(lambda: lags_step(leaves), repeats),
       "topk_ms": median_ms(lambda: topk_step(leaves), repeats),
   }
@@ -103,6 +114,8 @@ def bench_config(name, density, reuse_every, repeats, with_updates, single, cand
     groups = [grouping.leaf_paths(params)] if single else None
     for method, tx in (("dlgs", dlgs_jax.dlgs(density, reuse_every=reuse_every, groups=groups,
                                               candidates=candidates)),
+                       ("paper", dlgs_jax.dlgs(density, reuse_every=reuse_every, groups=groups,
+                                               refresh_below=None)),
                        ("lags", dlgs_jax.lags(density, groups=groups)),
                        ("topk", dlgs_jax.topk(density))):
       update = jax.jit(tx.update)
@@ -111,7 +124,7 @@ def bench_config(name, density, reuse_every, repeats, with_updates, single, cand
         row[f"{method}_update_{key}"] = value
 
       # Only DLGS differs from step to step; the others are timed one step at a time.
-      steps = reuse_every if method == "dlgs" else 1
+      steps = reuse_every if method in ("dlgs", "paper") else 1
 
       def cycle(update=update, state=state, steps=steps):
         s = state
@@ -125,23 +138,27 @@ def bench_config(name, density, reuse_every, repeats, with_updates, single, cand
   return row
 
 
+# The transforms whose whole update is timed and counted.
+UPDATED = ("dlgs", "paper", "lags", "topk")
+
+
 def format_table(rows, with_updates):
-  header = ["model", "density", "params", "dlgs ms", "(exact", "reuse)", "lags ms", "topk ms",
-            "lags/dlgs", "topk/dlgs"]
+  header = ["model", "density", "params", "dlgs ms", "(exact", "reuse)", "paper ms", "lags ms",
+            "topk ms", "lags/dlgs", "topk/dlgs"]
   if with_updates:
-    header += ["dlgs upd", "lags upd", "topk upd"]
-    header += [f"{m} cond/sort+topk/kernels" for m in ("dlgs", "lags", "topk")]
+    header += [f"{m} upd" for m in UPDATED]
+    header += [f"{m} cond/sort+topk/kernels" for m in UPDATED]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for r in rows:
     cells = [r["model"], f"{r['density']:g}", f"{r['params'] / 1e6:.2f}M",
              f"{r['dlgs_ms']:.2f}", f"{r['dlgs_exact_step_ms']:.2f}",
-             f"{r['dlgs_reuse_step_ms']:.2f}", f"{r['lags_ms']:.2f}", f"{r['topk_ms']:.2f}",
+             f"{r['dlgs_reuse_step_ms']:.2f}", f"{r['paper_ms']:.2f}", f"{r['lags_ms']:.2f}",
+             f"{r['topk_ms']:.2f}",
              f"{r['lags_over_dlgs']:.1f}x", f"{r['topk_over_dlgs']:.1f}x"]
     if with_updates:
-      cells += [f"{r['dlgs_update_ms']:.1f}", f"{r['lags_update_ms']:.1f}",
-                f"{r['topk_update_ms']:.1f}"]
+      cells += [f"{r[f'{m}_update_ms']:.1f}" for m in UPDATED]
       cells += [f"{r[f'{m}_update_conditionals']}/{r[f'{m}_update_sorts'] + r[f'{m}_update_top_k']}"
-                f"/{r[f'{m}_update_kernels']}" for m in ("dlgs", "lags", "topk")]
+                f"/{r[f'{m}_update_kernels']}" for m in UPDATED]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
