@@ -506,3 +506,30 @@ def test_compare_cluster_rejects_a_profile_it_cannot_use(flags, message):
   with pytest.raises(SystemExit) as exc:
     compare.main(flags)
   assert message in str(exc.value.code)
+
+
+def test_bench_sparsify_times_a_warmed_schedule_period_on_fresh_gradients():
+  import jax
+  import jax.numpy as jnp
+
+  import dlgs_jax
+
+  bench = load("bench_sparsify")
+  params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+            "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
+  period = bench.step_gradients(params, 4)
+  assert len(period) == 4
+  assert not np.array_equal(np.asarray(period[0]["w"]), np.asarray(period[1]["w"]))
+  for refresh_below in (None, 0.5):
+    tx = dlgs_jax.dlgs(0.1, reuse_every=4, refresh_below=refresh_below)
+    run, exact = bench.schedule_period(tx, period, warm_periods=2)
+    # The same state and gradients by hand: two periods, then the timed one.
+    state, update = tx.init(period[0]), None
+    for grads in period * 3:
+      update, state = tx.update(grads, state)
+    np.testing.assert_allclose(np.asarray(run()["w"]), np.asarray(update["w"]), rtol=1e-6)
+    if refresh_below is None:
+      assert exact == 2 / 4  # both leaves exact on the period's first step only
+    else:
+      # b (k = 7) is exact on every step, w at least on the schedule's step.
+      assert 1 + 1 / 4 <= exact <= 2
