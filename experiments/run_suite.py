@@ -22,9 +22,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # Steps that build the emulated cluster (skipped where it cannot be built).
 CLUSTER_STEPS = ("cluster", "compare", "predict", "update_program", "overlap")
-# Environment a step adds to this process's: XLA's CPU scheduler told to interleave.
+# Environment a step adds to this process's: XLA's CPU scheduler told to interleave;
+# four simulated devices in one process.
 STEP_ENV = {"overlap_interleaved": {
-    "XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}}
+    "XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"},
+    "in_process_resnet20": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}}
 ROOT = HERE.parent
 
 
@@ -93,6 +95,10 @@ def full_steps() -> list[tuple[str, list[str]]]:
         for model, links in [("resnet20", ["1gbit", "100mbit"]), ("vgg16", ["1gbit", "100mbit"]),
                              ("resnet50", ["1gbit", "100mbit"])]
         for link in links],
+      ("in_process_resnet20", [
+          "-m", "dlgs_jax.cli.benchmark", "--model", "resnet20", "--compare", "dlgs,dlgs-paper",
+          "--density", "0.01", "--rounds", "20", "--steps", "3", "--warmup", "2", "--out",
+          r + "compare/batched/resnet20_in_process/compare_resnet20_0.01.json"]),
       ("compare_resnet50_0.1", compare("resnet50", 0.1, "dense,lags,dlgs,dlgs-paper", 6, 2,
                                        "--out-dir", r + "compare/leafwise_resnet50_0.1",
                                        plans="cluster_resnet50")),
