@@ -45,6 +45,7 @@ from dlgs_jax.workload import models
 from dlgs_jax import profiling
 from dlgs_jax.compress import selection
 from dlgs_jax.profiling import programs
+from dlgs_jax.profiling.update import warm_state
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -118,11 +119,9 @@ def schedule_period(tx, gradients: list, warm_periods: int = 2):
     number of leaves whose threshold was computed exactly per step of the period.
   """
   update = jax.jit(tx.update)
-  state = tx.init(gradients[0])
-  for _ in range(warm_periods):
-    for grads in gradients:
-      _, state = update(grads, state)
-  warmed, exact = state, []
+  warmed = warm_state(update, tx.init(gradients[0]), gradients, None,
+                      warm_periods * len(gradients))
+  state, exact = warmed, []
   for grads in gradients:
     _, state = update(grads, state)
     exact.append(int(comm_stats(state).exact))
