@@ -8,7 +8,7 @@ collects each run's per-epoch test accuracy and loss.
 
     python experiments/accuracy.py                         # ResNet-20, 4 workers, 0.1 and 0.01
     python experiments/accuracy.py --quick                 # 2 epochs, dense and dlgs only
-    python experiments/accuracy.py --data-dir ~/data/cifar-10-batches-py --epochs 140
+    python experiments/accuracy.py --data-dir ~/data/cifar-10-batches-bin --epochs 140
     python experiments/accuracy.py --methods dense,dlgs-head --densities 0.1 --seeds 0,1,2
     python experiments/accuracy.py --methods dense,dlgs,dlgs@2l --densities 0.1 --node-size 2
     python experiments/accuracy.py --merge a/results.json,b/results.json --out-dir both
@@ -70,7 +70,7 @@ def parse_args(argv=None):
   parser.add_argument("--seeds", "--seed", default="0",
                       help="comma-separated seeds; with several, every configuration is "
                       "trained once per seed and the table gives mean and spread")
-  parser.add_argument("--data-dir", help="full CIFAR-10 (cifar-10-batches-py/); default: the "
+  parser.add_argument("--data-dir", help="full CIFAR-10 (cifar-10-batches-bin/ or -py/); default: the "
                       "embedded subset")
   parser.add_argument("--plan-dir", help="train with bench_cluster.py's plans from this directory "
                       "(plan_<model>_<method>_<density>.json, where one exists): the planned "

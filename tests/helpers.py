@@ -135,6 +135,20 @@ def write_cifar_dir(root, per_batch=12, seed=0, labels_fn=None):
   return folder, written
 
 
+def write_cifar_bin_dir(root, per_batch=12, seed=0):
+  """A miniature directory in the official CIFAR-10 binary format: rows of label + 3,072 bytes."""
+  rng = np.random.default_rng(seed)
+  folder = root / data.CIFAR10_BIN_DIR
+  folder.mkdir(parents=True)
+  written = {}
+  for name in data.CIFAR10_BIN_TRAIN_FILES + (data.CIFAR10_BIN_TEST_FILE,):
+    raw = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+    labels = rng.integers(0, 10, per_batch).astype(np.uint8)
+    (folder / name).write_bytes(np.concatenate([labels[:, None], raw], axis=1).tobytes())
+    written[name] = (raw, labels)
+  return folder, written
+
+
 def wait_for_step(proc: subprocess.Popen, workdir, step: int, timeout: float = 300):
   """`proc` once `workdir`'s metrics reach `step`; kills it and fails if it ends or stalls first."""
   import time

@@ -5,7 +5,7 @@ devices each; every device is one worker.
 
     dlgs-train --model resnet20 --method dlgs --density 0.01 --epochs 2
     dlgs-train --model resnet20 --method dlgs --planner optimal --bandwidth 1gbit
-    dlgs-train --model vgg16 --data-dir ~/data/cifar-10-batches-py --epochs 140 --lr 0.1
+    dlgs-train --model vgg16 --data-dir ~/data/cifar-10-batches-bin --epochs 140 --lr 0.1
     dlgs-train --config runs/x/config.json --seed 1     # a config file, flags override it
 
 Optimizer: the compressor (which averages gradients across workers), weight
@@ -123,7 +123,7 @@ FLAGS = (
     Flag("--no-augment", _D, "augment", "no random crop/flip", action="store_false"),
     Flag("--dataset", _D, "dataset", "auto (CIFAR models: cifar10; resnet50: imagefolder), "
          "cifar10, imagefolder, synthetic"),
-    Flag("--data-dir", _D, "data_dir", "cifar-10-batches-py/ or an image folder with train/ and "
+    Flag("--data-dir", _D, "data_dir", "CIFAR-10's cifar-10-batches-bin/ or -py/, or an image folder with train/ and "
          "val/; default for CIFAR: the real subset embedded in the package"),
     Flag("--image-size", _D, "image_size", "input side (imagefolder/synthetic; default: the "
          "model's)", int),

@@ -43,8 +43,9 @@ class DataConfig:
   Attributes:
     dataset: auto (CIFAR models: cifar10; resnet50: imagefolder), cifar10,
       imagefolder or synthetic.
-    data_dir: cifar-10-batches-py/ or an image folder with train/ and val/;
-      None for CIFAR: the real subset embedded in the package.
+    data_dir: CIFAR-10's cifar-10-batches-bin/ or -py/, or an image folder
+      with train/ and val/; None for CIFAR: the real subset embedded in the
+      package.
     image_size: input side (imagefolder/synthetic); None: the model's.
     synthetic_examples: training examples with synthetic data.
     batch_size: examples per worker per step.

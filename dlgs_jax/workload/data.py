@@ -1,6 +1,7 @@
 """Datasets, per-worker batching and augmentation.
 
-Sources: CIFAR-10 in the official python format (`load_cifar10`), the real
+Sources: CIFAR-10 in the official binary or python format (`load_cifar10`;
+pickles are read by an unpickler that admits plain data only), the real
 CIFAR-10 subset shipped in the package (`load_embedded_cifar10`), an
 ImageNet-style folder of class sub-folders (`load_image_folder`, decoded lazily
 so a process decodes only the images of its own workers), and synthetic data of
@@ -36,6 +37,10 @@ EMBEDDED_CIFAR10 = "cifar10_subset.npz"
 CIFAR10_DIR = "cifar-10-batches-py"
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch"
+CIFAR10_BIN_DIR = "cifar-10-batches-bin"
+CIFAR10_BIN_TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
+CIFAR10_BIN_TEST_FILE = "test_batch.bin"
+CIFAR10_BIN_ROW = 1 + 3 * 32 * 32
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 
@@ -76,41 +81,91 @@ def _check_dataset(data: Dataset, name: str) -> None:
 
 
 def load_cifar10(data_dir) -> tuple[Dataset, Dataset]:
-  """CIFAR-10 from the official python-format directory: (train, test).
+  """CIFAR-10 from an official directory, binary or python version: (train, test).
+
+  The binary version (``cifar-10-batches-bin/``: ``data_batch_1.bin`` ..
+  ``data_batch_5.bin`` and ``test_batch.bin``, rows of one label byte and 3,072
+  pixel bytes) is read as raw bytes. The python version
+  (``cifar-10-batches-py/``) is unpickled by an unpickler that admits only what
+  a CIFAR batch holds (`SafeBatchUnpickler`), so a hostile file runs no code.
 
   Args:
-    data_dir: ``cifar-10-batches-py/`` itself or a directory containing it;
-      it must hold ``data_batch_1`` .. ``data_batch_5`` and ``test_batch``.
+    data_dir: either official directory itself, or a directory containing one
+      (the binary version is taken when both are there).
 
   Returns:
     uint8 NHWC images with int32 labels (50,000 / 10,000 for the full set).
 
   Raises:
     ValueError: for a missing directory or file, a truncated or unreadable
-      batch, wrong shapes or labels outside [0, 10).
+      batch, a pickle that refers to anything but plain data, wrong shapes or
+      labels outside [0, 10).
   """
   root = Path(data_dir)
-  if (root / CIFAR10_DIR).is_dir():
-    root = root / CIFAR10_DIR
+  for sub in (CIFAR10_BIN_DIR, CIFAR10_DIR):
+    if (root / sub).is_dir():
+      root = root / sub
+      break
   if not root.is_dir():
     raise ValueError(f"CIFAR-10 directory {str(data_dir)!r} does not exist")
-  missing = [f for f in CIFAR10_TRAIN_FILES + (CIFAR10_TEST_FILE,) if not (root / f).is_file()]
+  binary = (root / CIFAR10_BIN_TRAIN_FILES[0]).is_file()
+  names = (CIFAR10_BIN_TRAIN_FILES + (CIFAR10_BIN_TEST_FILE,) if binary
+           else CIFAR10_TRAIN_FILES + (CIFAR10_TEST_FILE,))
+  missing = [f for f in names if not (root / f).is_file()]
   if missing:
     raise ValueError(
-        f"{str(root)!r} is not a CIFAR-10 python-format directory: missing {missing} "
-        f"(expected {CIFAR10_DIR}/ with data_batch_1..5 and test_batch)")
-  train = _concat([_read_cifar_batch(root / f) for f in CIFAR10_TRAIN_FILES])
-  test = _read_cifar_batch(root / CIFAR10_TEST_FILE)
+        f"{str(root)!r} is not a CIFAR-10 directory: missing {missing} (expected "
+        f"{CIFAR10_BIN_DIR}/ with data_batch_1..5.bin and test_batch.bin, or {CIFAR10_DIR}/ "
+        f"with data_batch_1..5 and test_batch)")
+  read = _read_cifar_bin if binary else _read_cifar_batch
+  train = _concat([read(root / f) for f in names[:-1]])
+  test = read(root / names[-1])
   _check_dataset(train, f"{root}/data_batch_*")
-  _check_dataset(test, f"{root}/{CIFAR10_TEST_FILE}")
+  _check_dataset(test, f"{root}/{names[-1]}")
   return train, test
+
+
+def _read_cifar_bin(path: Path) -> Dataset:
+  raw = np.fromfile(path, np.uint8)
+  if raw.size == 0 or raw.size % CIFAR10_BIN_ROW:
+    raise ValueError(
+        f"CIFAR-10 batch {str(path)!r} is truncated or not a binary batch: {raw.size} bytes is "
+        f"not a positive multiple of {CIFAR10_BIN_ROW} (1 label byte + 3,072 pixel bytes a row)")
+  rows = raw.reshape(-1, CIFAR10_BIN_ROW)
+  return _cifar_rows(rows[:, 1:], rows[:, 0], path)
+
+
+class SafeBatchUnpickler(pickle.Unpickler):
+  """Unpickles a CIFAR-10 python batch and nothing else.
+
+  A batch holds dicts, lists, bytes, str, ints and one uint8 numpy array; the
+  only callables such a pickle names are numpy's array constructors (and
+  ``_codecs.encode``, with which Python 3 writes bytes at protocol 2). Every
+  other global (``os.system``, ``builtins.eval``, ...) is refused before it is
+  looked up, so loading a hostile file runs none of its code.
+  """
+
+  ALLOWED = frozenset({
+      ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+      ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"),
+      ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+  })
+
+  def find_class(self, module, name):
+    if (module, name) not in self.ALLOWED:
+      raise pickle.UnpicklingError(
+          f"it refers to {module}.{name}, which a CIFAR-10 batch never holds; refused without "
+          f"running it (use the official file, or the binary version {CIFAR10_BIN_DIR}/)")
+    return super().find_class(module, name)
 
 
 def _read_cifar_batch(path: Path) -> Dataset:
   try:
     with open(path, "rb") as f:
-      batch = pickle.load(f, encoding="bytes")
-  except (pickle.UnpicklingError, EOFError, ValueError, OSError) as e:
+      batch = SafeBatchUnpickler(f, encoding="bytes").load()
+  except pickle.UnpicklingError as e:
+    raise ValueError(f"CIFAR-10 batch {str(path)!r} is not plain data: {e}") from None
+  except (EOFError, ValueError, OSError, TypeError, AttributeError) as e:
     raise ValueError(f"CIFAR-10 batch {str(path)!r} is truncated or not a pickle: {e!r}") from None
   if not isinstance(batch, dict):
     raise ValueError(f"CIFAR-10 batch {str(path)!r} holds a {type(batch).__name__}, not a dict")
@@ -118,14 +173,18 @@ def _read_cifar_batch(path: Path) -> Dataset:
   labels = batch.get(b"labels", batch.get("labels"))
   if raw is None or labels is None:
     raise ValueError(f"CIFAR-10 batch {str(path)!r} has no 'data' or 'labels' entry")
-  raw = np.asarray(raw)
-  labels = np.asarray(labels)
+  return _cifar_rows(np.asarray(raw), np.asarray(labels), path)
+
+
+def _cifar_rows(raw: np.ndarray, labels: np.ndarray, path: Path) -> Dataset:
+  """A batch's [N, 3072] rows (1,024 red, green and blue values, each row-major) as NHWC."""
   if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != 3 * 32 * 32:
     raise ValueError(
         f"CIFAR-10 batch {str(path)!r}: data must be uint8 [N, 3072], got {raw.dtype} {raw.shape}")
-  if labels.shape != (raw.shape[0],):
+  if labels.shape != (raw.shape[0],) or not np.issubdtype(labels.dtype, np.integer):
     raise ValueError(
-        f"CIFAR-10 batch {str(path)!r}: {raw.shape[0]} images but labels of shape {labels.shape}")
+        f"CIFAR-10 batch {str(path)!r}: {raw.shape[0]} images but labels of shape "
+        f"{labels.shape} ({labels.dtype}); one integer label per image expected")
   images = raw.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)  # CHW rows -> NHWC
   data = Dataset(np.ascontiguousarray(images), labels.astype(np.int32), 10)
   _check_dataset(data, str(path))

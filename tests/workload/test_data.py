@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from dlgs_jax.workload import data
-from tests.helpers import write_cifar_dir
+from tests.helpers import write_cifar_bin_dir, write_cifar_dir
 
 
 def test_embedded_subset_is_real_cifar10():
@@ -56,6 +56,92 @@ def test_cifar10_rejects_bad_labels_and_shapes(tmp_path):
     pickle.dump({b"labels": [0, 1], b"data": np.zeros((2, 100), np.uint8)}, f)
   with pytest.raises(ValueError, match=r"test_batch.*\[N, 3072\]"):
     data.load_cifar10(folder)
+
+
+def test_cifar10_binary_format_matches_the_python_format(tmp_path):
+  folder, written = write_cifar_bin_dir(tmp_path)
+  for where in (tmp_path, folder):
+    train, test = data.load_cifar10(where)
+    assert train.images.shape == (60, 32, 32, 3) and test.images.shape == (12, 32, 32, 3)
+    assert train.labels.dtype == np.int32
+    raw, labels = written["data_batch_2.bin"]
+    np.testing.assert_array_equal(train.labels[12:24], labels)
+    image = train.images[12 + 5]
+    np.testing.assert_array_equal(image[..., 0].reshape(-1), raw[5, :1024])
+    np.testing.assert_array_equal(image[..., 1].reshape(-1), raw[5, 1024:2048])
+    np.testing.assert_array_equal(image[..., 2].reshape(-1), raw[5, 2048:])
+    np.testing.assert_array_equal(test.labels, written["test_batch.bin"][1])
+  # The same rows pickled in the python format load to the same arrays.
+  py = tmp_path / "py" / data.CIFAR10_DIR
+  py.mkdir(parents=True)
+  for name, (raw, labels) in written.items():
+    with open(py / name.removesuffix(".bin"), "wb") as f:
+      pickle.dump({b"labels": [int(x) for x in labels], b"data": raw}, f, protocol=2)
+  py_train, py_test = data.load_cifar10(py)
+  np.testing.assert_array_equal(py_train.images, train.images)
+  np.testing.assert_array_equal(py_test.labels, test.labels)
+
+
+def test_cifar10_binary_errors_name_the_file_and_the_fix(tmp_path):
+  folder, _ = write_cifar_bin_dir(tmp_path)
+  (folder / "data_batch_4.bin").unlink()
+  with pytest.raises(ValueError, match=r"missing \['data_batch_4.bin'\].*cifar-10-batches-bin"):
+    data.load_cifar10(tmp_path)
+  folder, _ = write_cifar_bin_dir(tmp_path / "b")
+  content = (folder / "data_batch_3.bin").read_bytes()
+  (folder / "data_batch_3.bin").write_bytes(content[:-100])
+  with pytest.raises(ValueError, match=r"data_batch_3.bin.*not a positive multiple of 3073"):
+    data.load_cifar10(folder)
+  folder, _ = write_cifar_bin_dir(tmp_path / "c")
+  content = bytearray((folder / "test_batch.bin").read_bytes())
+  content[3073] = 10  # the second row's label byte
+  (folder / "test_batch.bin").write_bytes(bytes(content))
+  with pytest.raises(ValueError, match=r"test_batch.bin.*labels must be in \[0, 10\)"):
+    data.load_cifar10(folder)
+
+
+class _CreatesAFile:
+  """Unpickling this calls `open(path, "w")`: the file exists afterwards iff code ran."""
+
+  def __init__(self, path):
+    self.path = str(path)
+
+  def __reduce__(self):
+    return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("where", ["top", "inside"])
+def test_a_hostile_cifar_pickle_is_refused_and_runs_nothing(tmp_path, where):
+  folder, written = write_cifar_dir(tmp_path)
+  marker = tmp_path / "pwned"
+  payload = _CreatesAFile(marker)
+  raw, labels = written["data_batch_2"]
+  batch = payload if where == "top" else {b"labels": labels, b"data": raw, b"x": [payload]}
+  with open(folder / "data_batch_2", "wb") as f:
+    pickle.dump(batch, f)
+  with open(folder / "probe", "wb") as f:  # the payload does run under plain pickle.load
+    pickle.dump(_CreatesAFile(tmp_path / "probe_ran"), f)
+  with open(folder / "probe", "rb") as f:
+    pickle.load(f).close()
+  assert (tmp_path / "probe_ran").exists()
+  with pytest.raises(ValueError, match=r"data_batch_2.*is not plain data: it refers to "
+                     r"(io|builtins)\.open.*refused without running it"):
+    data.load_cifar10(tmp_path)
+  assert not marker.exists()
+
+
+def test_safe_unpickler_admits_the_official_batch_layout(tmp_path):
+  # The official batches were written by Python 2 (protocol 2, bytes keys, numpy arrays).
+  raw = np.arange(2 * 3072, dtype=np.int64).astype(np.uint8).reshape(2, 3072)
+  batch = {b"batch_label": b"testing batch 1 of 1", b"labels": [3, 7], b"data": raw,
+           b"filenames": [b"a.png", b"b.png"]}
+  for protocol in (2, pickle.HIGHEST_PROTOCOL):
+    path = tmp_path / f"batch{protocol}"
+    path.write_bytes(pickle.dumps(batch, protocol=protocol))
+    with open(path, "rb") as f:
+      loaded = data.SafeBatchUnpickler(f, encoding="bytes").load()
+    np.testing.assert_array_equal(loaded[b"data"], raw)
+    assert loaded[b"labels"] == [3, 7] and loaded[b"filenames"] == [b"a.png", b"b.png"]
 
 
 def write_image_folder(root, colors, sizes=((40, 30), (17, 25)), split_classes=None):
