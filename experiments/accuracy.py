@@ -15,8 +15,9 @@ collects each run's per-epoch test accuracy and loss.
 
 Writes results.json, results.md and curves.png under --out-dir. A run whose
 summary already exists with the same settings is reused (runs take minutes
-each), unless --rerun; one made by another command stops the script before
-any training, unless --rerun. Runs use one group per leaf unless --plan-dir
+each), and one interrupted after an epoch's checkpoint is resumed, unless
+--rerun; one made by another command stops the script before any training,
+unless --rerun. Runs use one group per leaf unless --plan-dir
 gives planned groups: DLGS recomputes a group's thresholds together, so the
 grouping changes how often thresholds are exact (the timing benchmarks use
 planned groups). A name ending in @2l trains that method in two levels
@@ -273,15 +274,22 @@ def main(argv=None) -> int:
   for seed, method, density, name, workdir, command in plan:
     label = name if len(args.seeds) == 1 else f"{name} seed {seed}"
     settings_file = workdir / "accuracy_command.json"
-    done = (workdir / "summary.json").exists() and recorded_command(workdir) == command[1:]
+    ours = recorded_command(workdir) == command[1:]
+    done = (workdir / "summary.json").exists() and ours
     if args.rerun or not done:
-      if workdir.exists():
-        subprocess.run(["rm", "-rf", str(workdir)], check=True)
-      workdir.mkdir(parents=True)
-      settings_file.write_text(json.dumps(command[1:]))
-      print(f"== {label}: {' '.join(command[1:])}", flush=True)
+      if not args.rerun and ours and (workdir / "checkpoints").is_dir():
+        # An interrupted run of this command: continue it from its last epoch.
+        run_command = command + ["--resume"]
+        print(f"== {label}: resuming {workdir}", flush=True)
+      else:
+        run_command = command
+        if workdir.exists():
+          subprocess.run(["rm", "-rf", str(workdir)], check=True)
+        workdir.mkdir(parents=True)
+        settings_file.write_text(json.dumps(command[1:]))
+        print(f"== {label}: {' '.join(command[1:])}", flush=True)
       started = time.time()
-      status = subprocess.run(command, cwd=ROOT).returncode
+      status = subprocess.run(run_command, cwd=ROOT).returncode
       if status != 0:
         raise SystemExit(f"training {label} failed with status {status}")
       print(f"== {label}: {time.time() - started:.0f} s", flush=True)

@@ -28,6 +28,8 @@ STEP_ENV = {"overlap_interleaved": {
     "XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"},
     "in_process_resnet20": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}}
 ROOT = HERE.parent
+# The official binary CIFAR-10, beside the repository.
+FULL_CIFAR10 = "../shared/data/cifar-10-batches-bin"
 
 
 def compare(model: str, density: float, methods: str, rounds: int, steps: int, *extra: str,
@@ -52,7 +54,14 @@ def full_steps() -> list[tuple[str, list[str]]]:
       e + "accuracy.py", "--methods", "dense,dlgs-head", "--densities", "0.1", "--epochs", "120",
       "--seeds", str(seed), "--out-dir", f"runs/accuracy_120ep_seed{seed}",
       "--runs-dir", "runs/accuracy_120ep"]) for seed in range(4)]
+  # Full CIFAR-10, ResNet-20, the paper's density: one run per step, so each lands on its own.
+  accuracy_full = [(f"accuracy_full_{method}_seed{seed}", [
+      e + "accuracy.py", "--methods", method, "--densities", "0.1", "--epochs", "30",
+      "--seeds", str(seed), "--data-dir", FULL_CIFAR10, "--out-dir",
+      f"{r}accuracy_full/{method}_seed{seed}", "--runs-dir", "runs/accuracy_full"])
+      for seed in (0, 1) for method in ("dense", "dlgs-paper", "dlgs", "topk", "lags")]
   return [
+      *accuracy_full,
       ("compare_resnet50", compare("resnet50", 0.01, "dense,topk,dlgs,dlgs-paper", 8, 2,
                                    plans="cluster_resnet50")),
       ("compare_resnet50_lags_gtopk", compare(

@@ -162,6 +162,16 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   assert second.stdout.count("reusing") == 2
   assert json.loads((tmp_path / "out" / "results.json").read_text())["results"] == \
       results["results"]
+  # A run stopped after its last checkpoint but before its summary is resumed, not retrained.
+  dense_dir = tmp_path / "runs" / "smallcnn_dense"
+  (dense_dir / "summary.json").unlink()
+  resumed = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                           timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "== dense: resuming" in resumed.stdout and resumed.stdout.count("reusing") == 1
+  assert "resumed from step 5" in resumed.stdout, resumed.stdout[-3000:]
+  again = json.loads((dense_dir / "summary.json").read_text())
+  assert again["params_sha256"] == dense["params_sha256"]
   # Dense does not depend on the density: another density reuses its run.
   other = [*command[:command.index("--methods")], "--methods", "dense", "--densities", "0.05",
            *command[command.index("--epochs"):]]
