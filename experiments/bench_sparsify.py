@@ -101,7 +101,7 @@ def step_gradients(params, steps: int, seed: int = 0) -> list:
       for _ in range(steps)]
 
 
-def schedule_period(tx, gradients: list, warm_periods: int = 2):
+def schedule_period(tx, gradients: list, warm_periods: int = 2, update=None):
   """One period of a transform's schedule, from a warmed-up state, and its exact counts.
 
   The state first takes ``warm_periods`` passes over `gradients`, so its
@@ -112,13 +112,15 @@ def schedule_period(tx, gradients: list, warm_periods: int = 2):
     tx: a transform of this library (its state holds `CommStats`).
     gradients: one gradient tree per step of the period.
     warm_periods: passes over `gradients` before the timed period.
+    update: ``tx.update`` compiled already (e.g. an AOT executable whose
+      program was counted); None: ``jax.jit(tx.update)``.
 
   Returns:
     ``(run, exact_leaves)``: ``run()`` applies the jitted update once per
     gradient from the warmed state and returns the last update; the mean
     number of leaves whose threshold was computed exactly per step of the period.
   """
-  update = jax.jit(tx.update)
+  update = jax.jit(tx.update) if update is None else update
   warmed = warm_state(update, tx.init(gradients[0]), gradients, None,
                       warm_periods * len(gradients))
   state, exact = warmed, []

@@ -1,0 +1,287 @@
+"""The device check: each method's update against its memory floor, and forward+backward.
+
+One command for a short device slot (about 8 minutes on one H100, compilation
+included), and the same script at reduced sizes on CPU (the tests run it):
+
+    python experiments/gpu_check.py                          # VGG16, ResNet-50; 0.01, 0.1
+    python experiments/gpu_check.py --small                  # ResNet-20, tiny batches (CPU)
+    python experiments/gpu_check.py --models vgg16 --densities 0.01 --budget-s 300
+
+What it measures, per model (VGG16 and ResNet-50 leaf shapes) and density:
+
+* **The floor**: one fused program that adds the residual to the gradient,
+  compares with a per-leaf threshold, and writes the masked values and the new
+  residual. Every error-feedback sparsifier reads the gradient and the residual
+  and writes both, so no update can cost less.
+* **Each method's whole update on one worker** (residual, selection, pack,
+  unpack, scatter back; ``axis_name=None``, so no communication): dense,
+  Top-k, gTop-k, LAGS, and DLGS on the paper's fixed reuse and with the
+  default rule, LAGS and DLGS with every leaf in one group and with the
+  default grouping. Each update runs one whole reuse period on gradients drawn
+  afresh for every step, from a state warmed over two periods
+  (`bench_sparsify.schedule_period`). Rounds alternate the floor and the
+  update; the ratio reported is the median of the rounds' ratios.
+* **What each compiled update is made of** on this backend: conditionals
+  (each waits for the host on GPU), sorts and top-k calls, kernels
+  (`profiling.programs`), read from the executable that is timed.
+* **Forward+backward** of the model at a realistic batch, so the update's share
+  of a step is known.
+
+Work runs in order of importance (floors and forward+backward, then density
+0.01 with one group, then the default grouping, then 0.1) and stops starting
+new work once ``--budget-s`` is spent; the JSON is rewritten after every row,
+so a slot cut short still leaves what was measured. Prints a table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+  sys.path.insert(0, str(HERE))
+
+import dlgs_jax  # noqa: E402
+from bench_sparsify import schedule_period, step_gradients  # noqa: E402
+from dlgs_jax.compress import grouping  # noqa: E402
+from dlgs_jax.profiling import programs  # noqa: E402
+from dlgs_jax.workload import losses, models  # noqa: E402
+
+# Realistic per-device batches for forward+backward: (batch, image side).
+FULL_BATCH = {"vgg16": (128, 32), "resnet50": (64, 224), "resnet20": (128, 32),
+              "smallcnn": (128, 32)}
+SMALL_BATCH = {"vgg16": (4, 32), "resnet50": (2, 32), "resnet20": (4, 32), "smallcnn": (4, 32)}
+
+
+def floor_pass(grads: list, residuals: list, thresholds: list):
+  """The least an error-feedback sparsifier costs: one pass, per leaf, over g and e.
+
+  Returns:
+    Per leaf ``(sent, new_residual)``: ``acc = e + g``; values with
+    ``|acc| >= t`` are sent, the rest stay, so ``sent + new_residual == acc``.
+  """
+  out = []
+  for g, e, t in zip(grads, residuals, thresholds):
+    acc = e + g
+    sent = jnp.where(jnp.abs(acc) >= t, acc, 0.0)
+    out.append((sent, acc - sent))
+  return out
+
+
+def transforms(density: float, reuse_every: int, params) -> list[tuple[str, str, object]]:
+  """(method, grouping, transform) of every update the check times, most important first."""
+  one = [grouping.leaf_paths(params)]
+  paper = dict(reuse_every=reuse_every, refresh_below=None)
+  return [
+      ("dense", "-", dlgs_jax.dense()),
+      ("topk", "-", dlgs_jax.topk(density)),
+      ("gtopk", "-", dlgs_jax.gtopk(density)),
+      ("lags", "one group", dlgs_jax.lags(density, groups=one)),
+      ("dlgs-paper", "one group", dlgs_jax.dlgs(density, groups=one, **paper)),
+      ("dlgs", "one group", dlgs_jax.dlgs(density, groups=one, reuse_every=reuse_every)),
+      ("lags", "default", dlgs_jax.lags(density)),
+      ("dlgs-paper", "default", dlgs_jax.dlgs(density, **paper)),
+      ("dlgs", "default", dlgs_jax.dlgs(density, reuse_every=reuse_every)),
+  ]
+
+
+def compiled_update(tx, grads):
+  """``tx.update`` compiled ahead of time, and the counts of that program."""
+  state = tx.init(grads)
+  executable = jax.jit(tx.update).lower(grads, state).compile()
+  counts = programs.count_hlo(executable.as_text())
+  return (lambda g, s, params=None: executable(g, s)), counts
+
+
+def paired_ratio(first, second, rounds: int) -> tuple[float, float, float]:
+  """Medians of ``first()``'s and ``second()``'s seconds and of their per-round ratio.
+
+  The two alternate within each round after one untimed call each, so drift
+  in the machine's speed touches both alike.
+  """
+  jax.block_until_ready(first())
+  jax.block_until_ready(second())
+  a, b = [], []
+  for _ in range(rounds):
+    for fn, times in ((first, a), (second, b)):
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times.append(time.perf_counter() - start)
+  return (statistics.median(a), statistics.median(b),
+          statistics.median(y / x for x, y in zip(a, b)))
+
+
+def floor_period(gradients: list, density: float):
+  """A callable running `floor_pass` once per gradient of the period, and one call's inputs."""
+  leaves = [jax.tree_util.tree_leaves(g) for g in gradients]
+  residuals = [jnp.zeros_like(x) for x in leaves[0]]
+  # The normal quantile passing `density` of standard-normal values; the cost
+  # does not depend on it, only what is kept.
+  cut = statistics.NormalDist().inv_cdf(1 - density / 2)
+  thresholds = [jnp.float32(cut) for _ in residuals]
+  run_floor = jax.jit(floor_pass)
+
+  def run():
+    out = None
+    for grads in leaves:
+      out = run_floor(grads, residuals, thresholds)
+    return out
+
+  return run, (leaves[0], residuals, thresholds)
+
+
+def forward_backward_ms(name: str, batch: int, side: int, rounds: int) -> float:
+  """Median ms of one training-mode forward+backward of `name` on a random uint8 batch."""
+  model, shape = models.create_model(name)
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.integers(0, 256, (batch, side, side, shape[2]), dtype=np.uint8))
+  labels = jnp.asarray(rng.integers(0, 10, batch).astype(np.int32))
+  variables = losses.init_variables(model, np.zeros((1, side, side, shape[2]), np.float32), 0)
+  params, batch_stats = variables["params"], variables.get("batch_stats", {})
+  grad_fn = jax.jit(lambda p, x, y: losses.batch_gradients(model, p, batch_stats, x, y)[0])
+  jax.block_until_ready(grad_fn(params, images, labels))
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    jax.block_until_ready(grad_fn(params, images, labels))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def update_row(name, density, method, group, tx, gradients, floor, rounds) -> dict:
+  """One method's update on one model and density, with its floor ratio and program counts."""
+  update, counts = compiled_update(tx, gradients[0])
+  run, exact = schedule_period(tx, gradients, update=update)
+  floor_s, update_s, ratio = paired_ratio(floor, run, rounds)
+  steps = len(gradients)
+  return {"model": name, "density": density, "method": method, "grouping": group,
+          "update_ms": update_s / steps * 1e3, "floor_ms": floor_s / steps * 1e3,
+          "over_floor": ratio, "exact_leaves_per_step": exact, **counts}
+
+
+def run_check(args) -> dict:
+  """Measures everything in order of importance within the budget; returns the results."""
+  started = time.perf_counter()
+  batches = SMALL_BATCH if args.small else FULL_BATCH
+  result = {"command": "python experiments/gpu_check.py " + " ".join(args.argv),
+            "machine": machine(), "models": {}, "rows": [], "skipped": []}
+  periods = {}
+  for name in args.models:
+    params = models.param_shapes(name)
+    periods[name] = (params, step_gradients(params, args.reuse_every))
+    batch, side = batches[name]
+    result["models"][name] = {
+        "params": sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)),
+        "leaves": len(jax.tree_util.tree_leaves(params)),
+        "forward_backward_batch": batch, "forward_backward_image": side,
+        "forward_backward_ms": forward_backward_ms(name, batch, side, args.rounds)}
+    print(f"{name}: forward+backward at batch {batch} ({side}x{side}) "
+          f"{result['models'][name]['forward_backward_ms']:.2f} ms", flush=True)
+    write(args.out, result)
+  # Density 0.01 with one group first (the targets), then the default grouping, then the rest.
+  work = []
+  for density in sorted(args.densities):
+    for name in args.models:
+      listed = transforms(density, args.reuse_every, periods[name][0])
+      work += [(density, name, m, g, tx) for m, g, tx in listed if g != "default"]
+      work += [(density, name, m, g, tx) for m, g, tx in listed if g == "default"]
+  floors = {}
+  for density, name, method, group, tx in work:
+    if time.perf_counter() - started > args.budget_s:
+      result["skipped"].append(f"{name} {density:g} {method} ({group})")
+      continue
+    gradients = periods[name][1]
+    if (name, density) not in floors:
+      floors[(name, density)] = floor_period(gradients, density)[0]
+    row = update_row(name, density, method, group, tx, gradients, floors[(name, density)],
+                     args.rounds)
+    result["rows"].append(row)
+    print(f"{name} {density:g} {method:10s} {group:9s} {row['update_ms']:9.2f} ms  "
+          f"{row['over_floor']:6.1f}x floor  cond {row['conditionals']} "
+          f"sort+topk {row['sorts'] + row['top_k']} kernels {row['kernels']}", flush=True)
+    write(args.out, result)
+  result["seconds"] = time.perf_counter() - started
+  result["table"] = format_table(result)
+  write(args.out, result)
+  return result
+
+
+def format_table(result: dict) -> str:
+  """Markdown: per row the update, the floor, their ratio, the share of forward+backward."""
+  header = ["model", "density", "method", "grouping", "update ms", "floor ms", "x floor",
+            "% of fwd+bwd", "exact leaves/step", "cond", "sort+topk", "kernels"]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for r in result["rows"]:
+    step = result["models"][r["model"]]["forward_backward_ms"]
+    lines.append("| " + " | ".join([
+        r["model"], f"{r['density']:g}", r["method"], r["grouping"], f"{r['update_ms']:.2f}",
+        f"{r['floor_ms']:.3f}", f"{r['over_floor']:.1f}", f"{100 * r['update_ms'] / step:.1f}",
+        f"{r['exact_leaves_per_step']:.1f}", str(r["conditionals"]),
+        str(r["sorts"] + r["top_k"]), str(r["kernels"])]) + " |")
+  return "\n".join(lines)
+
+
+def machine() -> dict:
+  device = jax.devices()[0]
+  return {"backend": jax.default_backend(), "device": device.device_kind,
+          "devices": jax.device_count(), "platform": platform.platform(),
+          "jax": jax.__version__}
+
+
+def write(out: Path, result: dict) -> None:
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_suffix(".tmp")
+  tmp.write_text(json.dumps(result, indent=1))
+  tmp.replace(out)
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", nargs="+", choices=sorted(FULL_BATCH), default=None,
+                      help="default: vgg16 resnet50 (--small: resnet20)")
+  parser.add_argument("--densities", nargs="+", type=float, default=[0.01, 0.1])
+  parser.add_argument("--reuse-every", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=5, help="paired rounds per measurement")
+  parser.add_argument("--budget-s", type=float, default=420.0,
+                      help="start no new measurement after this many seconds")
+  parser.add_argument("--small", action="store_true",
+                      help="reduced sizes for CPU: ResNet-20 and tiny forward+backward batches")
+  parser.add_argument("--out", default=None, help="JSON (default: experiments/results/"
+                      "gpu_check/<backend>.json)")
+  args = parser.parse_args(argv)
+  if args.models is None:
+    args.models = ["resnet20"] if args.small else ["vgg16", "resnet50"]
+  bad = [d for d in args.densities if not 0 < d <= 1]
+  if bad:
+    parser.error(f"--densities must be in (0, 1], got {bad}")
+  if args.reuse_every < 1 or args.rounds < 1:
+    parser.error(f"--reuse-every and --rounds must be >= 1, got {args.reuse_every}, "
+                 f"{args.rounds}")
+  args.out = Path(args.out or HERE / "results" / "gpu_check" / f"{jax.default_backend()}.json")
+  args.argv = list(argv)
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  result = run_check(args)
+  print()
+  print(result["table"])
+  if result["skipped"]:
+    print(f"\nnot measured (budget {args.budget_s:.0f} s spent): {', '.join(result['skipped'])}")
+  print(f"\nwrote {args.out} ({result['seconds']:.0f} s)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
