@@ -184,9 +184,11 @@ def run_check(args) -> dict:
         "params": sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)),
         "leaves": len(jax.tree_util.tree_leaves(params)),
         "forward_backward_batch": batch, "forward_backward_image": side,
-        "forward_backward_ms": forward_backward_ms(name, batch, side, args.rounds)}
-    print(f"{name}: forward+backward at batch {batch} ({side}x{side}) "
-          f"{result['models'][name]['forward_backward_ms']:.2f} ms", flush=True)
+        "forward_backward_ms": None if args.no_forward_backward else
+        forward_backward_ms(name, batch, side, args.rounds)}
+    if not args.no_forward_backward:
+      print(f"{name}: forward+backward at batch {batch} ({side}x{side}) "
+            f"{result['models'][name]['forward_backward_ms']:.2f} ms", flush=True)
     write(args.out, result)
   # Density 0.01 with one group first (the targets), then the default grouping, then the rest.
   work = []
@@ -225,7 +227,8 @@ def format_table(result: dict) -> str:
     step = result["models"][r["model"]]["forward_backward_ms"]
     lines.append("| " + " | ".join([
         r["model"], f"{r['density']:g}", r["method"], r["grouping"], f"{r['update_ms']:.2f}",
-        f"{r['floor_ms']:.3f}", f"{r['over_floor']:.1f}", f"{100 * r['update_ms'] / step:.1f}",
+        f"{r['floor_ms']:.3f}", f"{r['over_floor']:.1f}",
+        "-" if step is None else f"{100 * r['update_ms'] / step:.1f}",
         f"{r['exact_leaves_per_step']:.1f}", str(r["conditionals"]),
         str(r["sorts"] + r["top_k"]), str(r["kernels"])]) + " |")
   return "\n".join(lines)
@@ -256,6 +259,8 @@ def parse_args(argv):
                       help="start no new measurement after this many seconds")
   parser.add_argument("--small", action="store_true",
                       help="reduced sizes for CPU: ResNet-20 and tiny forward+backward batches")
+  parser.add_argument("--no-forward-backward", action="store_true",
+                      help="skip timing forward+backward (minutes per model on a CPU core)")
   parser.add_argument("--out", default=None, help="JSON (default: experiments/results/"
                       "gpu_check/<backend>.json)")
   args = parser.parse_args(argv)

@@ -71,6 +71,9 @@ def test_gpu_check_stops_starting_work_once_its_budget_is_spent(tmp_path):
   result = json.loads(out.read_text())
   assert result["rows"] == [] and len(result["skipped"]) == 9
   assert result["models"]["smallcnn"]["forward_backward_ms"] > 0
+  assert check.main(["--small", "--models", "smallcnn", "--rounds", "1", "--budget-s", "0",
+                     "--no-forward-backward", "--out", str(out)]) == 0
+  assert json.loads(out.read_text())["models"]["smallcnn"]["forward_backward_ms"] is None
 
 
 @pytest.mark.parametrize("flags, message", [
