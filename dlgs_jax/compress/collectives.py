@@ -25,6 +25,37 @@ from dlgs_jax.compress import wire
 AxisName = Union[Hashable, Sequence[Hashable], None]
 
 
+def axes_of(axis_name) -> tuple:
+  """The mesh axis names of a data axis (None: none) as a tuple."""
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes over which `x` may differ, as shard_map's checks type it."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  varying = manual.varying if manual is not None else getattr(aval, "vma", None)
+  return frozenset(varying or ())
+
+
+def types_checked(axis_name) -> bool:
+  """Whether shard_map's replication checks (``check_vma``) are on for `axis_name`.
+
+  A worker's index always differs between workers, so it is typed varying
+  exactly when the checks are on.
+  """
+  axes = axes_of(axis_name)
+  if not axes:
+    return False
+  try:
+    index = lax.axis_index(axes)
+  except NameError:  # not inside shard_map: the first collective will say so
+    return False
+  return set(axes) <= varying_axes(index)
+
+
 def num_workers(axis_name: AxisName) -> int:
   """Static number of workers along `axis_name` (1 for ``None``)."""
   if axis_name is None:
@@ -52,9 +83,12 @@ def gather_replicated(x: jax.Array, axis_name: AxisName) -> jax.Array:
   Every worker receives the same rows, and shard_map's checks are told so:
   what is computed from them alone (a mean) is typed replicated too, so a step
   can return it with ``out_specs`` ``P()`` with the checks on. ``lax.all_gather``
-  types its result as varying.
+  types its result as varying. Without the checks (``jax.vmap``, ``jax.pmap``,
+  ``check_vma=False``) nothing is typed, and the plain all-gather runs.
   """
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = axes_of(axis_name)
+  if not types_checked(axes):
+    return lax.all_gather(x, axes)
   gather = getattr(lax, "all_gather_invariant", None)
   if gather is None:  # not yet exported by jax 0.10
     from jax._src.lax import parallel  # pylint: disable=g-import-not-at-top

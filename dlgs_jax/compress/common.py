@@ -18,6 +18,7 @@ import optax
 from jax import lax
 
 from dlgs_jax.compress import engine, grouping, wire
+from dlgs_jax.compress.collectives import axes_of, types_checked, varying_axes
 
 
 def check_static(name: str, value) -> None:
@@ -133,37 +134,6 @@ def unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name
   return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), sent, kept)
 
 
-def axes_of(axis_name) -> tuple:
-  """The mesh axis names of a data axis (None: none) as a tuple."""
-  if axis_name is None:
-    return ()
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def varying_axes(x) -> frozenset:
-  """The mesh axes over which `x` may differ, as shard_map's checks type it."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-  varying = manual.varying if manual is not None else getattr(aval, "vma", None)
-  return frozenset(varying or ())
-
-
-def types_checked(axis_name) -> bool:
-  """Whether shard_map's replication checks (``check_vma``) are on for `axis_name`.
-
-  A worker's index always differs between workers, so it is typed varying
-  exactly when the checks are on.
-  """
-  axes = axes_of(axis_name)
-  if not axes:
-    return False
-  try:
-    index = lax.axis_index(axes)
-  except NameError:  # not inside shard_map: the first collective will say so
-    return False
-  return set(axes) <= varying_axes(index)
-
-
 def as_varying(tree, axis_name):
   """Marks every leaf as varying over `axis_name` (shard_map's check_vma types).
 
@@ -174,7 +144,7 @@ def as_varying(tree, axis_name):
   Without type checking (``check_vma=False``) this is a no-op.
   """
   axes = axes_of(axis_name)
-  if not axes:
+  if not axes or not types_checked(axis_name):
     return tree
 
   def cast(x):
