@@ -275,10 +275,11 @@ def main(argv=None) -> int:
     label = name if len(args.seeds) == 1 else f"{name} seed {seed}"
     settings_file = workdir / "accuracy_command.json"
     ours = recorded_command(workdir) == command[1:]
-    done = (workdir / "summary.json").exists() and ours
+    done = ours and finished(workdir)
     if args.rerun or not done:
       if not args.rerun and ours and (workdir / "checkpoints").is_dir():
-        # An interrupted run of this command: continue it from its last epoch.
+        # An interrupted run of this command (killed, or stopped by a signal with
+        # a checkpoint and a summary of its steps so far): continue it.
         run_command = command + ["--resume"]
         print(f"== {label}: resuming {workdir}", flush=True)
       else:
@@ -330,6 +331,12 @@ def refuse_to_overwrite(plan) -> None:
       raise SystemExit(f"{workdir} holds a finished run of another command "
                        f"({' '.join(recorded or ['unrecorded'])}); give --rerun to train it "
                        f"again, or another --runs-dir")
+
+
+def finished(workdir: Path) -> bool:
+  """Whether a run directory holds a run that reached its last step."""
+  summary = workdir / "summary.json"
+  return summary.exists() and not json.loads(summary.read_text()).get("stopped_early")
 
 
 def recorded_command(workdir: Path):

@@ -172,6 +172,14 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   assert "resumed from step 5" in resumed.stdout, resumed.stdout[-3000:]
   again = json.loads((dense_dir / "summary.json").read_text())
   assert again["params_sha256"] == dense["params_sha256"]
+  # So is one a signal stopped early: its summary says so, and it is not taken as finished.
+  (dense_dir / "summary.json").write_text(json.dumps(dict(again, stopped_early=True,
+                                                          stopped_by="SIGTERM")))
+  resumed = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                           timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "== dense: resuming" in resumed.stdout, resumed.stdout[-3000:]
+  assert not json.loads((dense_dir / "summary.json").read_text())["stopped_early"]
   # Dense does not depend on the density: another density reuses its run.
   other = [*command[:command.index("--methods")], "--methods", "dense", "--densities", "0.05",
            *command[command.index("--epochs"):]]
