@@ -56,6 +56,25 @@ def types_checked(axis_name) -> bool:
   return set(axes) <= varying_axes(index)
 
 
+def bound_axes() -> tuple:
+  """Names of the mapped axes the current trace runs under (shard_map, pmap, vmap)."""
+  try:
+    from jax._src import core  # pylint: disable=g-import-not-at-top
+
+    return tuple(core.get_axis_env().axis_names())
+  except (ImportError, AttributeError):  # not exported by jax; only the message loses it
+    return ()
+
+
+def is_bound(axis: Hashable) -> bool:
+  """Whether `axis` is a mapped axis of the current trace."""
+  try:
+    lax.axis_size(axis)
+  except NameError:
+    return False
+  return True
+
+
 def num_workers(axis_name: AxisName) -> int:
   """Static number of workers along `axis_name` (1 for ``None``)."""
   if axis_name is None:

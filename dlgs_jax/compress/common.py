@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from dlgs_jax.compress import engine, grouping, wire
+from dlgs_jax.compress import collectives, engine, grouping, wire
 from dlgs_jax.compress.collectives import axes_of, types_checked, varying_axes
 
 
@@ -160,6 +160,40 @@ def as_varying(tree, axis_name):
   return jax.tree_util.tree_map(cast, tree)
 
 
+def check_mapped(grads, axis_name) -> None:
+  """Refuses, before any work, an update that would not communicate as its transform says.
+
+  Raises:
+    ValueError: in one line with the fix, when `axis_name` is not a mapped axis
+      here (no axis at all: the update was called outside shard_map, pmap and
+      vmap), or when it is None while shard_map types the gradients as
+      varying over a mesh axis (the transform would compress locally and never
+      communicate).
+  """
+  axes = axes_of(axis_name)
+  missing = [axis for axis in axes if not collectives.is_bound(axis)]
+  bound = collectives.bound_axes()
+  if missing and not bound:
+    raise ValueError(
+        f"the update of a transform built with axis_name={axis_name!r} was called outside "
+        f"any mapped axis: call it inside jax.shard_map, jax.pmap or jax.vmap over "
+        f"{missing[0]!r} (or use dlgs_jax.data_parallel), or build it with axis_name=None "
+        f"for one worker")
+  if missing:
+    raise ValueError(
+        f"axis_name {missing[0]!r} is not an axis this update runs under (mapped here: "
+        f"{list(bound)}): build the transform with the data axis of your mesh or map, "
+        f"e.g. axis_name={bound[0]!r}")
+  if not axes:
+    varying = sorted(set().union(*(varying_axes(x) for x in jax.tree_util.tree_leaves(grads))),
+                     key=str)
+    if varying:
+      raise ValueError(
+          f"the gradients vary over the mesh axes {varying} but the transform was built "
+          f"with axis_name=None, so it would never communicate: build it with "
+          f"axis_name={varying[0]!r}")
+
+
 def check_per_worker(grads, count, axis_name) -> None:
   """Refuses gradients or a state that shard_map types as replicated over the data axes.
 
@@ -293,6 +327,7 @@ def with_passive_leaves(tx: optax.GradientTransformation,
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     passive = [is_passive(x) for x in leaves]
+    check_mapped(updates, axis_name)
     check_per_worker(strip(updates), state.count, axis_name)
     if not any(passive):
       return tx.update(updates, state, params)

@@ -88,3 +88,48 @@ def test_integer_boolean_and_empty_leaves_pass_through_without_traffic(name):
     assert update[key].dtype == value.dtype and update[key].shape == value.shape
     assert not np.any(update[key])  # a zero update
   np.testing.assert_array_equal(state.stats.bytes_sent, plain_state.stats.bytes_sent)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_an_update_outside_any_mapped_axis_is_refused_before_any_work(name):
+  tx = BUILDERS[name]("data")
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match=r"^the update of a transform built with "
+                     r"axis_name='data' was called outside any mapped axis: call it inside "
+                     r"jax.shard_map, jax.pmap or jax.vmap"):
+    tx.update(PARAMS, state)
+
+
+@pytest.mark.parametrize("name", ["dense", "dlgs"])
+def test_an_axis_the_update_does_not_run_under_is_named_with_the_fix(name):
+  import jax
+
+  tx = BUILDERS[name]("batch")
+  grads = {k: np.ones((W,) + v.shape, np.float32) for k, v in PARAMS.items()}
+  state = jax.vmap(lambda _: tx.init(PARAMS), axis_name="data")(np.arange(W))
+  with pytest.raises(ValueError, match=r"^axis_name 'batch' is not an axis this update runs "
+                     r"under \(mapped here: \['data'\]\): .*axis_name='data'"):
+    jax.vmap(tx.update, axis_name="data")(grads, state)
+
+
+@pytest.mark.parametrize("name", ["dense", "dlgs"])
+def test_a_forgotten_axis_name_under_shard_map_is_named_with_the_fix(name):
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from dlgs_jax.workload import parallel
+
+  tx = BUILDERS[name](None)
+  mesh = parallel.data_mesh(W)
+
+  def step(params, g):
+    varying = jax.lax.pcast(params, "data", to="varying")
+    return tx.update(jax.tree_util.tree_map(lambda p, x: p + x[0], varying, g),
+                     tx.init(PARAMS))[0]
+
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  grads = {k: np.ones((W,) + v.shape, np.float32) for k, v in PARAMS.items()}
+  with pytest.raises(ValueError, match=r"^the gradients vary over the mesh axes \['data'\] but "
+                     r"the transform was built with axis_name=None, so it would never "
+                     r"communicate: build it with axis_name='data'"):
+    jax.jit(fn)(PARAMS, grads)
