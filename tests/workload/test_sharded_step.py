@@ -110,19 +110,22 @@ def test_a_state_given_replicated_is_refused_naming_the_fix():
     fn(dlgs_jax.replicate(PARAMS, m), opt_state, *batch)
 
 
-def test_a_forgotten_axis_name_is_caught_by_jax():
-  """Without the collective the updates differ per worker: out_specs P() is refused."""
+def test_a_forgotten_axis_name_is_named_with_the_fix():
+  """Without the collective the updates would differ per worker: refused before JAX's check."""
   tx = optax.chain(dlgs_jax.dlgs(0.3), optax.sgd(0.1))
-  with pytest.raises(ValueError, match="out_specs"):
+  with pytest.raises(ValueError, match="built with axis_name=None, so it would never "
+                     "communicate: build it with axis_name='data'"):
     run_docs_style(tx, PARAMS)
 
 
 def test_a_state_left_with_its_worker_axis_is_named():
   tx = dlgs_jax.dlgs(0.3, axis_name="data")
   state = tx.init(PARAMS)
-  stacked = jax.tree_util.tree_map(lambda x: x[None], state)
+  # Each worker's state still holds the worker axis (size 1) that placement adds.
+  stacked = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (W, 1) + x.shape), state)
+  grads = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (W,) + x.shape), PARAMS)
   with pytest.raises(ValueError, match="drop it inside with dlgs_jax.squeeze_state"):
-    tx.update(PARAMS, stacked)
+    jax.vmap(tx.update, axis_name="data")(grads, stacked)
 
 
 def test_state_specs_and_placement_split_the_chain():
