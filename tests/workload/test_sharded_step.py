@@ -142,6 +142,16 @@ def test_state_specs_and_placement_split_the_chain():
 # --- data_parallel -------------------------------------------------------------------------
 
 
+def test_data_parallel_names_a_transform_on_another_axis_before_any_step_runs():
+  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="batch"), optax.sgd(0.1))
+  dp = dlgs_jax.data_parallel(squared_error, tx, mesh())
+  state = dp.init(PARAMS)
+  batch = jax.device_put((X, Y), dp.batch_sharding)
+  with pytest.raises(ValueError, match=r"axis_name 'batch' is not an axis this update runs "
+                     r"under \(mapped here: \['data'\]\): .* axis_name='data'"):
+    dp.compile(state, batch)
+
+
 def test_data_parallel_dense_matches_a_numpy_reference_over_steps():
   m = mesh()
   tx = optax.chain(dlgs_jax.dense(axis_name="data"), optax.sgd(0.05))
