@@ -55,6 +55,16 @@ class DataParallel(NamedTuple):
   # compile(state, batch): compiles `step` for these inputs without running it
   # (nothing is exchanged), so processes can compile when they choose.
   compile: Callable
+  # On CPU `step` waits for every this many steps' results (None: never): see CPU_SYNC_EVERY.
+  sync_every: Optional[int] = None
+
+
+# XLA:CPU's in-process collectives abort the whole process when a participant
+# reaches one more than 40 s after the first: with hundreds of steps dispatched
+# and none awaited, the devices' queues drift that far apart (gTop-k's
+# collective permutes did so after ~200 steps). Waiting for a step's results
+# now and then keeps them together, at the cost of one host sync per this many.
+CPU_SYNC_EVERY = 16
 
 
 def data_parallel(
@@ -93,11 +103,14 @@ def data_parallel(
     ``batch_sharding``); metrics are replicated scalars: ``loss``, the aux
     metrics, and from the transforms' statistics ``bytes_sent`` (per worker,
     all transforms of the chain), ``selected``, ``skipped`` and ``exact``.
+    On CPU meshes ``step`` waits for every `CPU_SYNC_EVERY`-th step's results,
+    which keeps XLA:CPU's collectives from aborting the process.
 
   Raises:
     ValueError: for a bad argument, naming it.
   """
   axis_name = common.check_axis_name(parallel.data_axes(mesh, axis_name))
+  sync_every = CPU_SYNC_EVERY if mesh.devices.flat[0].platform == "cpu" else None
   if not set(common.axes_of(axis_name)) <= set(mesh.axis_names):
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
   if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -137,15 +150,22 @@ def data_parallel(
           out_specs=(specs, PartitionSpec())), donate_argnums=0)
     return jitted[key]
 
+  dispatched = [0]
+
   def step(state: StepState, batch):
-    return program(state)(state, batch)
+    new_state, metrics = program(state)(state, batch)
+    dispatched[0] += 1
+    if sync_every and dispatched[0] % sync_every == 0:
+      jax.block_until_ready(metrics)
+    return new_state, metrics
 
   def compile_step(state: StepState, batch) -> None:
     # jit keeps what it compiled ahead of time: the step then runs it.
     program(state).lower(state, batch).compile()
 
   return DataParallel(init, step, axis_name,
-                      jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)), compile_step)
+                      jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)), compile_step,
+                      sync_every)
 
 
 def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh

@@ -152,6 +152,25 @@ def test_data_parallel_names_a_transform_on_another_axis_before_any_step_runs():
     dp.compile(state, batch)
 
 
+def test_data_parallel_on_cpu_waits_for_every_sixteenth_step():
+  from dlgs_jax.workload import sharded_step
+
+  tx = optax.chain(dlgs_jax.gtopk(0.3, axis_name="data"), optax.sgd(0.1))
+  dp = dlgs_jax.data_parallel(squared_error, tx, mesh())
+  assert dp.sync_every == sharded_step.CPU_SYNC_EVERY == 16
+  state = dp.init(PARAMS)
+  batch = jax.device_put((X, Y), dp.batch_sharding)
+  waited = []
+  real = jax.block_until_ready
+  try:
+    jax.block_until_ready = lambda x: waited.append(x) or real(x)
+    for _ in range(2 * dp.sync_every + 3):
+      state, metrics = dp.step(state, batch)
+  finally:
+    jax.block_until_ready = real
+  assert len(waited) == 2 and all(m["loss"].is_ready() for m in waited)
+
+
 def test_data_parallel_dense_matches_a_numpy_reference_over_steps():
   m = mesh()
   tx = optax.chain(dlgs_jax.dense(axis_name="data"), optax.sgd(0.05))
