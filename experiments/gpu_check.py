@@ -6,6 +6,7 @@ included), and the same script at reduced sizes on CPU (the tests run it):
     python experiments/gpu_check.py                          # VGG16, ResNet-50; 0.01, 0.1
     python experiments/gpu_check.py --small                  # ResNet-20, tiny batches (CPU)
     python experiments/gpu_check.py --models vgg16 --densities 0.01 --budget-s 300
+    python experiments/gpu_check.py --methods dlgs-paper dlgs --one-group   # the targets only
 
 What it measures, per model (VGG16 and ResNet-50 leaf shapes) and density:
 

@@ -155,6 +155,11 @@ def full_steps() -> list[tuple[str, list[str]]]:
           "0.1", "--methods", "terngrad,dgc", "--steps", "5", "--warmup", "1",
           "--keep-profiles", "--out-dir", r + "compare/resnet50_update_program"]),
       ("sparsify", [e + "bench_sparsify.py"]),
+      ("gpu_check", [e + "gpu_check.py"]),  # on a GPU: the device check, ~8 minutes
+      ("gpu_check_cpu", [e + "gpu_check.py", "--models", "vgg16", "resnet50", "--densities",
+                         "0.01", "--methods", "dense", "dlgs-paper", "dlgs", "--one-group",
+                         "--rounds", "5", "--no-forward-backward", "--out",
+                         r + "gpu_check/cpu_finite_any.json"]),
       ("planner", [e + "bench_planner.py", "--profiles", "3"]),
       ("scaling", [e + "predict_scaling.py"]),
       ("scaling_0.1", [e + "predict_scaling.py", "--density", "0.1"]),
@@ -177,6 +182,9 @@ def steps(full: bool, out: Path) -> list[tuple[str, list[str]]]:
   return [
       ("sparsify", [e + "bench_sparsify.py", "--models", "resnet20", "--repeats", "3",
                     "--out", str(out / "bench_sparsify.json")]),
+      ("gpu_check", [e + "gpu_check.py", "--small", "--models", "smallcnn", "--densities",
+                     "0.1", "--reuse-every", "2", "--rounds", "1", "--out",
+                     str(out / "gpu_check.json")]),
       ("planner", [e + "bench_planner.py", "--layers", "59", "161", "--profiles", "2",
                    "--out", str(out / "bench_planner.json")]),
       ("scaling", [e + "predict_scaling.py", "--workers", "2,4,8", "--out-dir",

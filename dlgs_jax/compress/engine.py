@@ -323,7 +323,7 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   aimed_at = np.asarray(aimed)
   factors = candidate_factors(select.candidates)
   trials = previous[aimed_at][:, None] * factors[None, :]
-  strides = [segmented.coprime_stride(min(_MAX_COUNT_STRIDE, ks[i] // _COUNTED_NEAR_K),
+  strides = [selection.coprime_stride(min(_MAX_COUNT_STRIDE, ks[i] // _COUNTED_NEAR_K),
                                       values.segs.sizes[i]) for i in aimed]
   counts = values.count_at(trials, strides, aimed).astype(jnp.float32) + 0.5
   target = jnp.asarray(adaptation_target(select) * np.asarray(ks, np.float32)[aimed_at])[:, None]

@@ -42,9 +42,6 @@ from dlgs_jax.compress import selection
 
 WORD = 32
 
-# Up to this size (or when 2k is half the leaf) a leaf's candidates are all
-# its values: sampling would save nothing.
-_SMALL_LEAF = 1 << 15
 # Groups of at most this many leaves kept leaf by leaf get their exact
 # thresholds leaf by leaf (`exact_thresholds`).
 _FEW_LEAVES = 4
@@ -391,7 +388,7 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
                        for leaf in range(len(segs.sizes))])
     return jnp.where(jnp.asarray(whole), 0.0, found)
   large = [leaf for leaf, (size, k) in enumerate(zip(segs.sizes, ks))
-           if not whole[leaf] and size > _SMALL_LEAF and 2 * k < size // 2]
+           if not whole[leaf] and size > selection.SMALL_LEAF and 2 * k < size // 2]
   bounds = jnp.where(jnp.asarray(whole), jnp.inf, 0.0).astype(jnp.float32)
   if large:
     bounds = bounds.at[np.asarray(large)].set(_sample_bounds(values, ks, large))
@@ -413,31 +410,6 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   return jnp.where(jnp.asarray(whole), 0.0, found)
 
 
-def coprime_stride(stride: int, size: int) -> int:
-  """The largest stride <= `stride` that shares no factor with `size`.
-
-  A strided sample of a leaf then visits every index of its fastest axis
-  evenly: a prime that divides none of a shape's dimensions does not divide
-  their product, and gradients differ in scale along those axes. A stride
-  that divides the fastest axis sees a few of its entries only: every 64th
-  value of a 1x1x512x2048 kernel sees 32 of its 2048 output channels (a
-  sampled bound then missed in 148 of 200 draws on kernels with log-normal
-  channel scales), every 125th value of a ResNet-50's 2048x1000 output
-  layer 8 of its 1000 classes (the bound missed on every exact step).
-
-  Args:
-    stride: >= 1, the stride wanted.
-    size: the leaf's number of values.
-
-  Returns:
-    int in [1, stride].
-  """
-  stride = max(1, int(stride))
-  while math.gcd(stride, int(size)) != 1:
-    stride -= 1
-  return stride
-
-
 def _int32(numbers: Sequence[int]) -> jax.Array:
   return jnp.asarray(np.asarray(numbers, np.int64).clip(max=np.iinfo(np.int32).max), jnp.int32)
 
@@ -449,7 +421,7 @@ def _sample_bounds(values: Values, ks, large):
     size, k = values.segs.sizes[leaf], ks[leaf]
     # >= 128 n/k samples put ~190 sample values above the bound: the candidate
     # count then has a relative spread of ~7% around 1.5 k.
-    stride = coprime_stride(size // min(size, max(16384, 128 * size // k)), size)
+    stride = selection.sample_stride(size, k)
     sample = values.leaf(leaf)[::stride]
     count = sample.shape[0]
     parts.append(jnp.pad(sample, (0, -count % WORD)))

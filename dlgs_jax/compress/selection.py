@@ -63,13 +63,10 @@ def kth_largest_abs(x: jax.Array, k: int) -> jax.Array:
     return jnp.min(flat)  # no sort needed when everything is kept
   full = lambda: _kth_largest_sorted(flat, k)
   capacity = 2 * k
-  if size <= _SMALL_LEAF or capacity >= size // 2:
+  if size <= SMALL_LEAF or capacity >= size // 2:
     return full()
-  # Aim for 1.5k candidates in a buffer of 2k. With >= 128 n/k samples about
-  # 190 sample values lie above the estimate, so the candidate count has a
-  # relative spread of ~7% and leaves the window [k, 2k] very rarely.
-  samples = min(size, max(16384, 128 * size // k))
-  sample = flat[::size // samples]
+  # Aim for 1.5k candidates in a buffer of 2k (`sample_stride`).
+  sample = flat[::sample_stride(size, k)]
   sample_rank = max(1, math.ceil(sample.shape[0] * 1.5 * k / size))
   # The minimum of the top values, not their last element: see `_kth_largest_sorted`.
   lower = jnp.min(lax.top_k(sample, sample_rank)[0])
@@ -88,7 +85,43 @@ def _kth_largest_sorted(values: jax.Array, k: int) -> jax.Array:
 # Up to this size a full sort is as cheap as the sampled path (one core:
 # 0.11 ms for either at 32768 values, density 0.01; at 131072 0.77 ms sorted
 # against 0.21 ms sampled).
-_SMALL_LEAF = 1 << 15
+SMALL_LEAF = 1 << 15
+
+
+def sample_stride(size: int, k: int) -> int:
+  """Stride of the sample that bounds a leaf's k-th largest value from below.
+
+  At least 16,384 and 128 n/k samples: about 190 sample values then lie above
+  a bound aimed at 1.5k values, so the count passing it has a relative spread
+  of ~7% and leaves the window [k, 2k] very rarely. The stride shares no
+  factor with the size (`coprime_stride`).
+  """
+  return coprime_stride(size // min(size, max(16384, 128 * size // k)), size)
+
+
+def coprime_stride(stride: int, size: int) -> int:
+  """The largest stride <= `stride` that shares no factor with `size`.
+
+  A strided sample of a leaf then visits every index of its fastest axis
+  evenly: a prime that divides none of a shape's dimensions does not divide
+  their product, and gradients differ in scale along those axes. A stride
+  that divides the fastest axis sees a few of its entries only: every 64th
+  value of a 1x1x512x2048 kernel sees 32 of its 2048 output channels (a
+  sampled bound then missed in 148 of 200 draws on kernels with log-normal
+  channel scales), every 125th value of a ResNet-50's 2048x1000 output
+  layer 8 of its 1000 classes (the bound missed on every exact step).
+
+  Args:
+    stride: >= 1, the stride wanted.
+    size: the leaf's number of values.
+
+  Returns:
+    int in [1, stride].
+  """
+  stride = max(1, int(stride))
+  while math.gcd(stride, int(size)) != 1:
+    stride -= 1
+  return stride
 
 
 def topk_indices(x: jax.Array, k: int) -> jax.Array:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ from tests.helpers import random_grads, run_steps
 SIZES = (1, 33, 100, 4096, 70000)
 VIEWS = [pytest.param(False, id="leaf_by_leaf"), pytest.param(True, id="laid_out")]
 # The stride of the sample that bounds a leaf of 70,000 values at k = 700.
-STRIDE = segmented.coprime_stride(70000 // 16384, 70000)
+STRIDE = selection.coprime_stride(70000 // 16384, 70000)
 
 
 def make_leaves(rng, sizes=SIZES, zeros=0.0):
@@ -115,21 +113,12 @@ def test_a_kernel_whose_channels_differ_in_scale_is_bounded_by_its_sample(monkey
     leaves.append(x.ravel())
   size = leaves[0].size
   k = selection.num_to_keep(0.01, size)
-  assert size // 16384 == 16 and segmented.coprime_stride(16, size) == 15
+  assert size // 16384 == 16 and selection.coprime_stride(16, size) == 15
   segs = segmented.segments_of([size] * len(leaves))
   got = np.asarray(jax.jit(lambda ls: segmented.exact_thresholds(
       segmented.values_of(ls, segs, laid_out), [k] * len(ls), [False] * len(ls)))(
           [jnp.asarray(x) for x in leaves]))
   np.testing.assert_array_equal(got, [kth_largest_np(x, k) for x in leaves])
-
-
-def test_coprime_stride_is_the_largest_sharing_no_factor_with_the_size():
-  for stride, size in [(1, 64), (16, 1 << 18), (125, 2048 * 1000), (4, 70000), (7, 36864), (9, 9)]:
-    got = segmented.coprime_stride(stride, size)
-    assert 1 <= got <= stride and math.gcd(got, size) == 1
-    assert all(math.gcd(s, size) > 1 for s in range(got + 1, stride + 1))
-  assert segmented.coprime_stride(125, 2048 * 1000) == 123
-  assert segmented.coprime_stride(0, 10) == 1
 
 
 @pytest.mark.parametrize("laid_out", VIEWS)

@@ -1,3 +1,5 @@
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,3 +113,29 @@ def test_packed_mask_counts_and_selects_like_threshold_indices(threshold):
       jnp.asarray(x), jnp.float32(threshold), capacity)
   np.testing.assert_array_equal(got, want)
   assert int(passed) == int(want_passed) == int(expected_mask.sum())
+
+
+def test_coprime_stride_is_the_largest_sharing_no_factor_with_the_size():
+  for stride, size in [(1, 64), (16, 1 << 18), (125, 2048 * 1000), (4, 70000), (7, 36864), (9, 9)]:
+    got = selection.coprime_stride(stride, size)
+    assert 1 <= got <= stride and math.gcd(got, size) == 1
+    assert all(math.gcd(s, size) > 1 for s in range(got + 1, stride + 1))
+  assert selection.coprime_stride(125, 2048 * 1000) == 123
+  assert selection.coprime_stride(0, 10) == 1
+
+
+def test_the_sample_of_a_head_of_1000_classes_sees_every_class():
+  # Every 125th value of a 2048x1000 layer would see 8 of its 1000 classes.
+  size, k = 2048 * 1000, 20480
+  stride = selection.sample_stride(size, k)
+  assert stride == 123 and math.gcd(stride, 1000) == 1
+  assert len(set((np.arange(0, size, stride) % 1000).tolist())) == 1000
+
+
+def test_kth_largest_abs_is_exact_on_a_head_whose_classes_differ_in_scale():
+  rng = np.random.default_rng(0)
+  scale = np.where(np.arange(1000) % 125 == 0, 0.01, 1.0).astype(np.float32)
+  x = (rng.standard_normal((2048, 1000)).astype(np.float32) * scale)
+  k = 20480
+  got = jax.jit(selection.kth_largest_abs, static_argnums=1)(jnp.asarray(x), k)
+  assert float(got) == float(np.sort(np.abs(x).reshape(-1))[-k])
