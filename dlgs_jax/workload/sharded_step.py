@@ -57,6 +57,8 @@ class DataParallel(NamedTuple):
   compile: Callable
   # On CPU `step` waits for every this many steps' results (None: never): see CPU_SYNC_EVERY.
   sync_every: Optional[int] = None
+  # module(state): the trained nnx.Module, where `init` was given one.
+  module: Optional[Callable] = None
 
 
 # XLA:CPU's in-process collectives abort the whole process when a participant
@@ -80,8 +82,25 @@ def data_parallel(
 ) -> DataParallel:
   """Builds a data-parallel training step with gradient communication by `tx`.
 
+  With Flax NNX, give ``init`` the module itself and write the loss on it,
+  ``loss_fn(model, batch) -> loss``: the step splits the module into its
+  ``nnx.Param`` leaves (what the gradient and `tx` see) and the rest (BatchNorm
+  statistics, averaged over the workers after each step), rebuilds it inside
+  the loss, and ``module(state)`` gives back the trained module. An
+  ``nnx.Optimizer`` owns its update, so it has no place here: put its optax
+  transformation after the compressor in `tx` (e.g.
+  ``optax.chain(dlgs_jax.dlgs(0.01, axis_name="data"), optax.adamw(1e-3))``).
+
+    model = MLP(nnx.Rngs(0))
+    dp = dlgs_jax.data_parallel(lambda m, b: loss(m(b[0]), b[1]), tx, mesh)
+    state = dp.init(model)
+    for batch in batches:
+      state, metrics = dp.step(state, jax.device_put(batch, dp.batch_sharding))
+    model = dp.module(state)
+
   Args:
-    loss_fn: ``loss_fn(params, batch) -> loss``; with `model_state`,
+    loss_fn: ``loss_fn(params, batch) -> loss`` (an NNX module: ``loss_fn(model,
+      batch)``, see above); with `model_state`,
       ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``; with
       `has_aux`, the loss comes with a dict of scalar metrics (``(loss, aux)``,
       or ``(loss, (new_model_state, aux))``); with a `seed`, a last argument
@@ -118,9 +137,29 @@ def data_parallel(
   if not callable(loss_fn):
     raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
   loss = _Loss(loss_fn, model_state, has_aux, seed)
+  nnx_graph = []  # the module's graph, once `init` is given an nnx.Module
 
   def init(params, state=None) -> StepState:
+    nonlocal loss
+    if _is_nnx_module(params):
+      if model_state or state is not None:
+        raise ValueError(
+            "data_parallel: with an nnx.Module, leave model_state=False and pass no state to "
+            "init: its non-parameter state is split off and carried for you")
+      from flax import nnx  # pylint: disable=g-import-not-at-top
+
+      graph, params, state = nnx.split(params, nnx.Param, ...)
+      nnx_graph[:] = [graph]
+      loss = _Loss(_nnx_loss(loss_fn, graph, has_aux, seed), True, has_aux, seed)
     return initial_state(tx, params, state, mesh)
+
+  def module(state: StepState):
+    if not nnx_graph:
+      raise ValueError("module(state) needs a state that init made from an nnx.Module; this "
+                       "one was made from a parameter tree")
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    return nnx.merge(nnx_graph[0], *parallel.fetch((state.params, state.model_state)))
 
   def local_step(state: StepState, batch):
     key = None
@@ -165,7 +204,29 @@ def data_parallel(
 
   return DataParallel(init, step, axis_name,
                       jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)), compile_step,
-                      sync_every)
+                      sync_every, module)
+
+
+def _is_nnx_module(x) -> bool:
+  try:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return isinstance(x, nnx.Module)
+
+
+def _nnx_loss(loss_fn: Callable, graph, has_aux: bool, seed) -> Callable:
+  """``loss_fn(model, batch[, key])`` as a loss of (params, rest, batch[, key]) returning the rest."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  def loss(params, rest, batch, *key):
+    model = nnx.merge(graph, params, rest, copy=True)  # fresh variables for this trace
+    out = loss_fn(model, batch, *key)
+    value, aux = out if has_aux else (out, None)
+    new_rest = nnx.split(model, nnx.Param, ...)[2]
+    return (value, (new_rest, aux)) if has_aux else (value, new_rest)
+
+  return loss if seed is not None else (lambda params, rest, batch: loss(params, rest, batch))
 
 
 def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh
