@@ -1,7 +1,8 @@
 """Gradient-communication transforms: DLGS and the methods it is compared with.
 
 Every factory returns an `optax.GradientTransformation` whose update runs inside
-`jax.shard_map` over the data axis `axis_name` (``None``: one worker) and
+`jax.shard_map`, `jax.pmap` or `jax.vmap` over the data axis `axis_name`
+(``None``: one worker; ``jax.vmap`` simulates P workers on one device) and
 outputs the *mean over workers* of what was communicated -- identical on every
 worker, and typed replicated, so a step can return the parameters with
 ``out_specs`` ``P()`` with shard_map's checks on -- and it composes with any
@@ -17,6 +18,15 @@ axis sharded over the data axes (`dlgs_jax.init_per_worker`), dropped inside
 (`dlgs_jax.squeeze_state`). Gradients must be each worker's own: with the checks on,
 gradients or a state typed replicated are refused (`common.check_per_worker`);
 `dlgs_jax.data_parallel` builds a whole step that gets this right.
+
+``axis_name=None`` means one worker, and nothing is communicated. Under a plain
+`jax.jit` whose batch is sharded over devices, JAX itself all-reduces the
+gradient densely before this transform sees it; the transform then compresses
+an already-averaged gradient and reports 0 bytes sent, while the dense traffic
+it exists to avoid has happened. Map the step instead (`dlgs_jax.data_parallel`,
+or shard_map / pmap / vmap with the same `axis_name`). Inside shard_map a
+forgotten `axis_name` is refused (`common.check_mapped`); under `jax.jit` it
+cannot be seen.
 
 Non-finite gradients: when any worker's gradient contains a NaN or an infinity
 (``skip_nonfinite=True``, the default), every worker skips the step -- the
@@ -170,7 +180,9 @@ def dlgs(
 
   Args:
     density: fraction of each leaf sent, in (0, 1].
-    axis_name: data-parallel axis name (or tuple of names); ``None`` = one worker.
+    axis_name: data-parallel axis name (or tuple of names); ``None`` = one worker
+      (under a plain `jax.jit` with a sharded batch JAX then all-reduces the
+      gradient densely itself: see the module docstring).
     reuse_every: recompute thresholds exactly every this many steps (>= 1; 1
       gives exact layer-wise top-k every step).
     groups: leaf-path groups (contiguous runs in backward order, listed in
