@@ -60,7 +60,7 @@ def main():
   state = dp.init(variables["params"], variables["batch_stats"])
 
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(variables["params"]))
-  dense_bytes = dlgs_jax.wire.allreduce_bytes(num_params, workers)
+  dense_bytes = dlgs_jax.compress.wire.allreduce_bytes(num_params, workers)
   rng = np.random.default_rng(0)
   global_batch = workers * args.batch_per_worker
   for step in range(1, args.steps + 1):

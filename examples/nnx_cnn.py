@@ -62,7 +62,7 @@ def main():
   state = dp.init(params, rest)
 
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-  dense_bytes = dlgs_jax.wire.allreduce_bytes(num_params, workers)
+  dense_bytes = dlgs_jax.compress.wire.allreduce_bytes(num_params, workers)
   rng = np.random.default_rng(0)
   for step in range(1, args.steps + 1):
     rows = rng.choice(len(train.labels), workers * args.batch_per_worker, replace=False)

@@ -75,7 +75,7 @@ def main():
   state = dp.init(params)
 
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-  dense_bytes = dlgs_jax.wire.allreduce_bytes(num_params, workers)
+  dense_bytes = dlgs_jax.compress.wire.allreduce_bytes(num_params, workers)
   rng = np.random.default_rng(0)
   print(f"{num_params} parameters, {len(vocab)} characters, uniform loss {np.log(len(vocab)):.2f}")
   for step in range(1, args.steps + 1):

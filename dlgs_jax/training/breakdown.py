@@ -150,11 +150,11 @@ def _result(config: BenchmarkConfig, programs: _Programs, raw: dict, plan) -> di
   import numpy as np
   from jax.experimental import multihost_utils
 
-  import dlgs_jax
+  from dlgs_jax.compress.state import comm_stats, stats_summary
   from dlgs_jax.workload import parallel
 
   work = programs.work
-  stats = dlgs_jax.stats_summary(parallel.fetch(dlgs_jax.comm_stats(programs.state.opt_state)))
+  stats = stats_summary(parallel.fetch(comm_stats(programs.state.opt_state)))
   med = {k: float(np.median(v)) for k, v in raw.items()}
   # Every process's medians, so the slowest worker is visible too.
   all_med = np.asarray(multihost_utils.process_allgather(

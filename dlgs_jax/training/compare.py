@@ -112,7 +112,7 @@ def compare(config: BenchmarkConfig, mesh) -> dict:
   import jax
   import numpy as np
 
-  import dlgs_jax
+  from dlgs_jax.compress.state import comm_stats, stats_summary
   from dlgs_jax.workload import parallel
 
   from jax.experimental import multihost_utils
@@ -134,7 +134,7 @@ def compare(config: BenchmarkConfig, mesh) -> dict:
             "round_orders": orders, "methods": {}}
   for name in config.compare:
     run = runs[name]
-    stats = dlgs_jax.stats_summary(parallel.fetch(dlgs_jax.comm_stats(run["state"].opt_state)))
+    stats = stats_summary(parallel.fetch(comm_stats(run["state"].opt_state)))
     exact = [float(x) for x in run["exact"] if x is not None]
     result["methods"][name] = {
         "grouping": run["grouping"], "groups": run["groups"],

@@ -69,7 +69,7 @@ def test_dense_two_level_is_the_mean_over_every_worker(shape):
   # Only the N-node all-reduce of 1/L of the values crosses the slow link.
   width = sum(max(1, -(-math.prod(v.shape) // shape[1])) for v in PARAMS.values())
   assert states[0].inner.stats.bytes_sent[0] == pytest.approx(
-      dlgs_jax.wire.allreduce_bytes(width, shape[0]))
+      dlgs_jax.compress.wire.allreduce_bytes(width, shape[0]))
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])

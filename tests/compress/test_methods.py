@@ -15,10 +15,10 @@ from dlgs_jax.workload import models
 def test_every_method_and_variant_builds_its_transform():
   params = {"w": np.ones((4, 8), np.float32), "b": np.ones((8,), np.float32)}
   order = ["b", "w"]
-  states = {"dense": dlgs_jax.DenseState, "topk": dlgs_jax.SparseState,
-            "lags": dlgs_jax.SparseState, "gtopk": dlgs_jax.SparseState,
-            "dlgs": dlgs_jax.DLGSState, "dgc": dlgs_jax.DGCState,
-            "terngrad": dlgs_jax.TernGradState}
+  states = {"dense": dlgs_jax.compress.state.DenseState, "topk": dlgs_jax.compress.state.SparseState,
+            "lags": dlgs_jax.compress.state.SparseState, "gtopk": dlgs_jax.compress.state.SparseState,
+            "dlgs": dlgs_jax.compress.state.DLGSState, "dgc": dlgs_jax.compress.state.DGCState,
+            "terngrad": dlgs_jax.compress.state.TernGradState}
   assert set(states) == set(methods.METHODS)
   for name in [*methods.METHODS, *methods.VARIANTS]:
     config = method_config(name, density=0.25)
@@ -124,6 +124,6 @@ def test_the_optimizer_puts_weight_decay_after_the_exchange_except_for_dgc():
   np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * 2.0)
   dgc = build_optimizer(MethodConfig("dgc", density=0.25), optimizer, axis_name=None,
                         schedule=0.1, order=["w"])
-  assert isinstance(dgc.init(params)[1], dlgs_jax.DGCState)
+  assert isinstance(dgc.init(params)[1], dlgs_jax.compress.state.DGCState)
   with pytest.raises(ConfigError, match="momentum"):
     OptimizerConfig(momentum=1.0).validate()

@@ -82,4 +82,4 @@ def test_inject_hyperparams_says_what_to_do():
   static = ("density", "reuse_every", "capacity_factor", "refresh_below", "candidates",
             "min_ndim")
   tx = optax.inject_hyperparams(dlgs_jax.dlgs, static_args=static)(density=0.1)
-  assert isinstance(tx.init(PARAMS).inner_state, dlgs_jax.DLGSState)
+  assert isinstance(tx.init(PARAMS).inner_state, dlgs_jax.compress.state.DLGSState)

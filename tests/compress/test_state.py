@@ -35,7 +35,7 @@ def test_groups_are_labelled_and_the_total_adds_every_step(make, groups):
   assert [list(g) for g in states[-1].stats.groups.paths] == groups
   per_step = [np.asarray(s.stats.bytes_sent) for s in states]
   assert all(p.min() > 0 for p in per_step)
-  np.testing.assert_array_equal(dlgs_jax.total_bytes(states[-1].stats),
+  np.testing.assert_array_equal(dlgs_jax.compress.state.total_bytes(states[-1].stats),
                                 np.round(sum(per_step)).astype(np.int64))
 
 
@@ -43,9 +43,9 @@ def test_the_running_total_carries_past_32_bits_and_skips_add_nothing():
   stats = state_lib.empty_stats([["a"]])
   for _ in range(3):
     stats = state_lib.step_stats(stats, 3.0e9, 3.0e9, jnp.ones(1), jnp.ones(1))
-  assert dlgs_jax.total_bytes(stats) == 9_000_000_000
+  assert dlgs_jax.compress.state.total_bytes(stats) == 9_000_000_000
   skipped = state_lib.skipped_stats(stats)
-  assert dlgs_jax.total_bytes(skipped) == 9_000_000_000
+  assert dlgs_jax.compress.state.total_bytes(skipped) == 9_000_000_000
   assert int(skipped.skipped) == 1 and float(skipped.bytes_sent) == 0.0
   assert skipped.groups == stats.groups
 
@@ -65,7 +65,7 @@ def test_every_compressor_of_a_chain_is_reported():
   assert by_kind["dense"]["groups"][0]["selected"] == 160
   assert [g["paths"] for g in by_kind["sparse"]["groups"]] == [["conv/kernel"], ["conv/bias"]]
   assert by_kind["sparse"]["groups"][0]["selected"] == 8  # ceil(0.1 * 72)
-  dense_step = dlgs_jax.wire.allreduce_bytes(10, W) + dlgs_jax.wire.allreduce_bytes(160, W)
+  dense_step = dlgs_jax.compress.wire.allreduce_bytes(10, W) + dlgs_jax.compress.wire.allreduce_bytes(160, W)
   assert by_kind["dense"]["total_sent"] == round(2 * dense_step)
 
 

@@ -426,7 +426,7 @@ def test_stats_report_bytes_and_selection():
   assert state.stats.bytes_sent[0] == (W - 1) * sum(ks) * 8
   assert state.stats.bytes_received[0] == (W - 1) * sum(ks) * 8
   assert state.stats.selected[0].sum() == sum(ks)
-  summary = dlgs_jax.stats_summary(dlgs_jax.comm_stats((optax.EmptyState(), state)))
+  summary = dlgs_jax.compress.state.stats_summary(dlgs_jax.compress.state.comm_stats((optax.EmptyState(), state)))
   assert summary["bytes_sent"] == (W - 1) * sum(ks) * 8 and summary["selected"] == sum(ks)
 
 

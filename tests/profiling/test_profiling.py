@@ -421,7 +421,7 @@ def test_training_optimizer_sends_a_dlgs_group_as_one_message():
   grads = {"0000": jnp.arange(32.0).reshape(8, 4) - 7.5, "0001": jnp.arange(4.0) + 1.0}
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   # One entry per message sent.
-  assert dlgs_jax.comm_stats(state).selected.shape == (1,)
+  assert dlgs_jax.compress.state.comm_stats(state).selected.shape == (1,)
   # Layer-wise top-k inside the group: 8 of 32 and 1 of 4 values leave.
   assert int(np.count_nonzero(np.asarray(updates["0000"]))) == 8
   assert int(np.count_nonzero(np.asarray(updates["0001"]))) == 1
@@ -580,7 +580,7 @@ def test_dlgs_timed_states_are_an_exact_step_and_a_reuse_step():
                                                         params, 4, warmup_steps=5)
 
   def dlgs_state(state):
-    return next(s for s in state if isinstance(s, dlgs_jax.DLGSState))
+    return next(s for s in state if isinstance(s, dlgs_jax.compress.state.DLGSState))
 
   # The warm-up ends at the multiple of reuse_every at or after warmup_steps.
   assert int(dlgs_state(exact_state).count) == 8 and int(dlgs_state(reuse_state).count) == 9
@@ -588,8 +588,8 @@ def test_dlgs_timed_states_are_an_exact_step_and_a_reuse_step():
   assert float(jnp.abs(dlgs_state(exact_state).residuals["0000"]).max()) > 0
   _, after_exact = update(batches[2], exact_state, params)
   _, after_reuse = update(batches[2], reuse_state, params)
-  assert int(dlgs_jax.comm_stats(after_exact).exact) == 2
-  assert int(dlgs_jax.comm_stats(after_reuse).exact) == 0
+  assert int(dlgs_jax.compress.state.comm_stats(after_exact).exact) == 2
+  assert int(dlgs_jax.compress.state.comm_stats(after_reuse).exact) == 0
   for key in params:
     np.testing.assert_array_equal(dlgs_state(after_reuse).thresholds[key],
                                   dlgs_state(reuse_state).thresholds[key])

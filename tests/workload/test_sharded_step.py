@@ -61,7 +61,7 @@ def run_docs_style(tx, params, grad_at=lambda p: lax.pcast(p, "data", to="varyin
                              out_specs=(P(), specs)))
   batch = jax.device_put((X.astype(params["w"].dtype), Y.astype(params["w"].dtype)),
                          NamedSharding(m, P("data")))
-  return fn(dlgs_jax.replicate(params, m), opt_state, *batch)
+  return fn(dlgs_jax.workload.parallel.replicate(params, m), opt_state, *batch)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -96,7 +96,7 @@ def test_gradients_jax_already_summed_are_refused():
 def test_a_state_given_replicated_is_refused_naming_the_fix():
   tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.sgd(0.1))
   m = mesh()
-  opt_state = dlgs_jax.replicate(tx.init(PARAMS), m)
+  opt_state = dlgs_jax.workload.parallel.replicate(tx.init(PARAMS), m)
 
   def step(params, opt_state, x, y):
     grads = jax.grad(squared_error)(lax.pcast(params, "data", to="varying"), (x, y))
@@ -107,7 +107,7 @@ def test_a_state_given_replicated_is_refused_naming_the_fix():
                              out_specs=(P(), P())))
   batch = jax.device_put((X, Y), NamedSharding(m, P("data")))
   with pytest.raises(ValueError, match="optimizer state is typed replicated.*init_per_worker"):
-    fn(dlgs_jax.replicate(PARAMS, m), opt_state, *batch)
+    fn(dlgs_jax.workload.parallel.replicate(PARAMS, m), opt_state, *batch)
 
 
 def test_a_forgotten_axis_name_is_named_with_the_fix():
@@ -187,7 +187,7 @@ def test_data_parallel_dense_matches_a_numpy_reference_over_steps():
   for key in PARAMS:
     np.testing.assert_allclose(dlgs_jax.fetch(state.params)[key], ref[key], rtol=1e-4, atol=1e-6)
   assert int(state.step) == 3
-  assert float(metrics["bytes_sent"]) == dlgs_jax.wire.allreduce_bytes(15 + 3, W)
+  assert float(metrics["bytes_sent"]) == dlgs_jax.compress.wire.allreduce_bytes(15 + 3, W)
 
 
 def test_a_compiled_step_runs_without_compiling_again_and_gives_the_same_steps():
@@ -400,7 +400,7 @@ def test_nnx_quickstart_trains_the_module_and_gives_it_back():
   trained = dp.module(state)
 
   assert isinstance(trained, _MLP) and losses[-1] < 0.5 * losses[0]
-  assert 0 < float(metrics["bytes_sent"]) < dlgs_jax.wire.allreduce_bytes(
+  assert 0 < float(metrics["bytes_sent"]) < dlgs_jax.compress.wire.allreduce_bytes(
       sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))), W)
   np.testing.assert_array_equal(np.asarray(trained.out.kernel[...]),
                                 np.asarray(dlgs_jax.fetch(state.params)["out"]["kernel"][...]))
