@@ -12,40 +12,34 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dlgs_jax
 from dlgs_jax.compress.hierarchical import two_level
+from tests.compress.test_common import BUILDERS
 from tests.helpers import random_grads, run_steps
 
 PARAMS = {"conv": jnp.zeros((3, 3, 4, 8)), "dense": jnp.zeros((40, 10)), "bias": jnp.zeros((10,))}
 WORKERS = 4
+# Every transform (test_common's), DLGS also on the paper's schedule, both exact every 2 steps.
 TRANSFORMS = {
-    "dense": lambda axis: dlgs_jax.dense(axis_name=axis),
-    "topk": lambda axis: dlgs_jax.topk(0.1, axis_name=axis),
-    "gtopk": lambda axis: dlgs_jax.gtopk(0.1, axis_name=axis),
-    "lags": lambda axis: dlgs_jax.lags(0.1, axis_name=axis),
+    **BUILDERS,
     "dlgs": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis, reuse_every=2),
     "dlgs-paper": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis, reuse_every=2,
                                              refresh_below=None),
-    "dgc": lambda axis: dlgs_jax.dgc(0.1, axis_name=axis),
-    "terngrad": lambda axis: dlgs_jax.terngrad(axis_name=axis),
 }
 
 
-def vmapped(tx, steps):
-  """Updates and final state of `tx` with the workers simulated by ``jax.vmap``."""
-  state = jax.vmap(lambda _: tx.init(PARAMS), axis_name="data")(jnp.arange(WORKERS))
-  fn = jax.jit(jax.vmap(tx.update, axis_name="data"))
-  updates = []
-  for grads in steps:
-    u, state = fn(grads, state)
-    updates.append(jax.tree_util.tree_map(np.asarray, u))
-  return updates, jax.tree_util.tree_map(np.asarray, state)
+def vmap_workers(f):
+  """`f` over the workers simulated on one device by ``jax.vmap``."""
+  return jax.jit(jax.vmap(f, axis_name="data"))
 
 
-def pmapped(tx, steps):
-  """The same with one device per worker under ``jax.pmap``."""
-  devices = jax.devices()[:WORKERS]
-  state = jax.pmap(lambda _: tx.init(PARAMS), axis_name="data", devices=devices)(
-      jnp.arange(WORKERS))
-  fn = jax.pmap(tx.update, axis_name="data", devices=devices)
+def pmap_workers(f):
+  """`f` over one device per worker by ``jax.pmap``."""
+  return jax.pmap(f, axis_name="data", devices=jax.devices()[:WORKERS])
+
+
+def mapped(tx, steps, workers_map):
+  """Updates per step and the final state of `tx`, its workers mapped by `workers_map`."""
+  state = workers_map(lambda _: tx.init(PARAMS))(jnp.arange(WORKERS))
+  fn = workers_map(tx.update)
   updates = []
   for grads in steps:
     u, state = fn(grads, state)
@@ -64,8 +58,8 @@ def test_vmap_pmap_and_shard_map_give_the_same_updates_and_states(name):
   steps = [random_grads(PARAMS, WORKERS, rng) for _ in range(3)]
   tx = TRANSFORMS[name]("data")
   by_shard_map, _, states = run_steps(tx, PARAMS, steps, WORKERS)
-  by_vmap, vmap_state = vmapped(tx, steps)
-  by_pmap, pmap_state = pmapped(tx, steps)
+  by_vmap, vmap_state = mapped(tx, steps, vmap_workers)
+  by_pmap, pmap_state = mapped(tx, steps, pmap_workers)
   for ours, theirs in ((by_vmap, by_shard_map), (by_pmap, by_shard_map)):
     for u, v in zip(ours, theirs):
       assert_same(u, v)
