@@ -155,15 +155,14 @@ def dlgs(
 
   Adaptation and refresh (our addition; ``refresh_below=None`` gives the
   paper's fixed schedule): right after an exact step the sent values leave the
-  residual, so the old threshold passes far fewer than k_l values (ResNet-20,
-  density 0.1, reuse 10: 38% of k on average over two epochs) and training
-  falls behind LAGS. So on a reuse step each leaf counts the values passing
-  at `candidates` multiples of its threshold and interpolates linearly
-  between the two that bracket ``0.9 * k_l`` values (``refresh_below * k_l``
-  if higher); every leaf's threshold in
-  a group is recomputed exactly on that step when the group's leaves together
-  send fewer than ``refresh_below`` of its k, or one leaf passes more than
-  twice its buffer. With ``candidates=1`` (the refresh rule) the thresholds
+  residual, so the old threshold passes far fewer than k_l values and training
+  falls behind LAGS (measured in experiments/README.md). So on a reuse step
+  each leaf counts the values passing at `candidates` multiples of its
+  threshold and interpolates linearly between the two that bracket
+  ``0.9 * k_l`` values (``refresh_below * k_l`` if higher); every leaf's
+  threshold in a group is recomputed exactly on that step when the group's
+  leaves together send fewer than ``refresh_below`` of its k, or one leaf
+  passes more than twice its buffer. With ``candidates=1`` (the refresh rule) the thresholds
   are reused as they are and the check is per leaf: a leaf passing fewer than
   ``refresh_below * k_l`` values or more than its buffer holds. A group's
   leaves are handled together (`segmented`): one counting pass, one
