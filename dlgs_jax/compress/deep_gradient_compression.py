@@ -44,7 +44,7 @@ from jax import lax
 
 from dlgs_jax.compress import collectives, common
 from dlgs_jax.compress import engine, grouping
-from dlgs_jax.compress import selection
+from dlgs_jax.compress import segmented
 from dlgs_jax.compress.state import DGCState, empty_stats, skipped_stats, step_stats
 
 LOWERING_FACTOR = 0.8
@@ -86,7 +86,7 @@ def estimate_threshold(key: jax.Array, v: jax.Array, k: int, *, sample_ratio: fl
   n = magnitude.shape[0]
   sample_size = min(n, max(int(math.ceil(sample_ratio * n)), min_sample))
   if sample_size >= n:
-    return selection.kth_largest_abs(magnitude, k)  # small tensor: exact is as cheap
+    return segmented.exact_threshold(magnitude, k)  # small tensor: exact is as cheap
   positions = jax.random.randint(key, (sample_size,), 0, n)
   sample = magnitude[positions]
   k_sample = max(1, int(math.ceil(k / n * sample_size)))
@@ -107,7 +107,7 @@ def estimate_threshold(key: jax.Array, v: jax.Array, k: int, *, sample_ratio: fl
 
   threshold, count, _ = lax.while_loop(too_few, lower_it, (threshold, passing(threshold), 0))
   return lax.cond((count < lower) | (count > upper),
-                  lambda: selection.kth_largest_abs(magnitude, k).astype(jnp.float32),
+                  lambda: segmented.exact_threshold(magnitude, k),
                   lambda: threshold)
 
 

@@ -24,6 +24,13 @@ leaves together:
 
 The number of kernels and conditionals of these passes does not depend on the
 number of leaves.
+
+Every exact threshold of the package comes from `exact_thresholds` (DLGS on
+any backend and group size; DGC's fallback through `exact_threshold`). Its
+one choice is the kernel that finds the k-th largest of a leaf's candidates:
+the bisection above, batched over a group, or a sort of the candidates leaf by
+leaf for a few leaves kept as they are (CPU). Whether a group is laid out is
+decided by the caller (`engine.lay_out_by_default`) through `values_of`.
 """
 
 from __future__ import annotations
@@ -373,18 +380,19 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   bisection on the whole leaves, so the result is always exact:
   `selection.kth_largest_abs`, leaf by leaf.
 
-  A group of a few leaves kept leaf by leaf (CPU) takes
-  `selection.kth_largest_abs` of each leaf instead: XLA:CPU pays for every
-  kernel of a conditional's branches on each call, taken or not (~1 us each),
-  and these passes are ~100 kernels whatever the number of leaves, against
-  ~20 per leaf there (ResNet-50, one group per leaf: 27 against 42 ms a step).
+  A group of a few leaves kept leaf by leaf (CPU) takes the same steps leaf
+  by leaf with a sort for the k-th largest (`_kth_by_sort`): XLA:CPU pays for
+  every kernel of a conditional's branches on each call, taken or not (~1 us
+  each), and the batched passes are ~100 kernels whatever the number of
+  leaves, against ~20 per leaf there (ResNet-50, one group per leaf: 27
+  against 42 ms a step).
   """
   segs = values.segs
   if values.flat is None and len(segs.sizes) <= _FEW_LEAVES:
     # A leaf sent whole contributes any of its values, replaced by 0 below:
     # the result stays typed like the values (varying inside shard_map).
     found = jnp.stack([values.leaf(leaf)[0] if whole[leaf]
-                       else selection.kth_largest_abs(values.leaf(leaf), ks[leaf])
+                       else _kth_by_sort(values.leaf(leaf), ks[leaf])
                        for leaf in range(len(segs.sizes))])
     return jnp.where(jnp.asarray(whole), 0.0, found)
   large = [leaf for leaf, (size, k) in enumerate(zip(segs.sizes, ks))
@@ -408,6 +416,60 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
                    lambda: jnp.where(missed, values.kth_largest(ks), found),
                    lambda: found)
   return jnp.where(jnp.asarray(whole), 0.0, found)
+
+
+def exact_threshold(x: jax.Array, k: int) -> jax.Array:
+  """The exact k-th largest ``|x|`` of one array (float32 scalar): `exact_thresholds` of one leaf.
+
+  This is the DLGS threshold H_l (Ju et al. 2024, Algorithm 1): with
+  ``|x| >= H`` exactly k values pass when there are no ties.
+
+  Args:
+    x: any-shaped array.
+    k: 1 <= k <= x.size.
+  """
+  size = int(np.prod(x.shape, dtype=np.int64))
+  return exact_thresholds(values_of([x], segments_of([size]), False), [k], [False])[0]
+
+
+def _kth_by_sort(flat: jax.Array, k: int) -> jax.Array:
+  """`exact_thresholds`'s steps for one leaf, the k-th largest of its candidates by a sort.
+
+  A strided sample (`selection.sample_stride`) gives a lower bound ``t`` that
+  about 1.5k values exceed, one O(n) pass collects every value ``>= t`` into a
+  buffer of 2k, and a top-k of that buffer gives the k-th largest. When the
+  bound misses (fewer than k or more than 2k values pass) the full top-k runs
+  instead, so the result is always exact. Small leaves are sorted whole.
+
+  Args:
+    flat: the leaf's values, flat.
+    k: 1 <= k <= size.
+
+  Returns:
+    float32 scalar.
+  """
+  flat = jnp.abs(flat).astype(jnp.float32)
+  size = flat.shape[0]
+  if k == size:
+    return jnp.min(flat)  # no sort needed when everything is kept
+  full = lambda: _kth_of_sorted(flat, k)
+  capacity = 2 * k
+  if size <= selection.SMALL_LEAF or capacity >= size // 2:
+    return full()
+  sample = flat[::selection.sample_stride(size, k)]
+  sample_rank = max(1, math.ceil(sample.shape[0] * 1.5 * k / size))
+  # The minimum of the top values, not their last element: see `_kth_of_sorted`.
+  lower = jnp.min(lax.top_k(sample, sample_rank)[0])
+  candidates, passed = selection.threshold_indices(flat, lower, capacity)
+  values = flat.at[candidates].get(mode="fill", fill_value=0.0)
+  found = lambda: _kth_of_sorted(values, k)
+  return lax.cond((passed >= k) & (passed <= capacity), found, full)
+
+
+def _kth_of_sorted(values: jax.Array, k: int) -> jax.Array:
+  # The minimum of the top k, not `top_k(...)[0][k - 1]`: XLA on CPU turns a
+  # top-k followed by a one-element slice into a full sort, ~20x slower at 2.4M.
+  return jnp.min(lax.top_k(values, k)[0])
 
 
 def _int32(numbers: Sequence[int]) -> jax.Array:

@@ -38,50 +38,6 @@ def num_to_keep(density: float, size: int) -> int:
   return int(min(size, max(1, math.ceil(density * size - 1e-9))))
 
 
-def kth_largest_abs(x: jax.Array, k: int) -> jax.Array:
-  """Exact k-th largest absolute value of `x` (float32 scalar), without a full sort.
-
-  This is the DLGS threshold H_l (Ju et al. 2024, Algorithm 1): with
-  ``|x| >= H`` exactly k values pass when there are no ties.
-
-  `lax.top_k` sorts the whole input; here a strided sample estimates a lower
-  bound ``t`` that about 1.5k values exceed, one O(n) pass collects every value
-  ``>= t`` into a buffer of 2k, and a top-k of that buffer gives the k-th
-  largest. When the estimate misses (fewer than k or more than 2k values pass)
-  the full top-k runs instead, so the result is always exact.
-
-  Args:
-    x: any-shaped array.
-    k: 1 <= k <= x.size.
-
-  Returns:
-    float32 scalar.
-  """
-  flat = jnp.abs(x.reshape(-1)).astype(jnp.float32)
-  size = flat.shape[0]
-  if k == size:
-    return jnp.min(flat)  # no sort needed when everything is kept
-  full = lambda: _kth_largest_sorted(flat, k)
-  capacity = 2 * k
-  if size <= SMALL_LEAF or capacity >= size // 2:
-    return full()
-  # Aim for 1.5k candidates in a buffer of 2k (`sample_stride`).
-  sample = flat[::sample_stride(size, k)]
-  sample_rank = max(1, math.ceil(sample.shape[0] * 1.5 * k / size))
-  # The minimum of the top values, not their last element: see `_kth_largest_sorted`.
-  lower = jnp.min(lax.top_k(sample, sample_rank)[0])
-  candidates, passed = threshold_indices(flat, lower, capacity)
-  values = flat.at[candidates].get(mode="fill", fill_value=0.0)
-  found = lambda: _kth_largest_sorted(values, k)
-  return lax.cond((passed >= k) & (passed <= capacity), found, full)
-
-
-def _kth_largest_sorted(values: jax.Array, k: int) -> jax.Array:
-  # The minimum of the top k, not `top_k(...)[0][k - 1]`: XLA on CPU turns a
-  # top-k followed by a one-element slice into a full sort, ~20x slower at 2.4M.
-  return jnp.min(lax.top_k(values, k)[0])
-
-
 # Up to this size a full sort is as cheap as the sampled path (one core:
 # 0.11 ms for either at 32768 values, density 0.01; at 131072 0.77 ms sorted
 # against 0.21 ms sampled).

@@ -14,14 +14,6 @@ def test_num_to_keep(density, size, expected):
   assert selection.num_to_keep(density, size) == expected
 
 
-def test_kth_largest_abs_matches_numpy():
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((17, 9)).astype(np.float32)
-  for k in (1, 5, 100, x.size):
-    got = jax.jit(selection.kth_largest_abs, static_argnums=1)(x, k)
-    assert float(got) == np.sort(np.abs(x).ravel())[::-1][k - 1]
-
-
 def test_topk_indices_matches_numpy():
   rng = np.random.default_rng(1)
   x = rng.standard_normal(500).astype(np.float32)
@@ -49,40 +41,6 @@ def test_threshold_indices_matches_numpy(threshold, capacity):
   np.testing.assert_array_equal(np.asarray(got), want)
   assert int(passed) == want_passed
   assert int(selection.count_valid(got, x.size)) == min(capacity, want_passed)
-
-
-def test_threshold_at_exact_kth_selects_exactly_k():
-  rng = np.random.default_rng(3)
-  x = rng.standard_normal(1000).astype(np.float32)
-  k = 37
-  h = selection.kth_largest_abs(jnp.asarray(x), k)
-  got, passed = jax.jit(selection.threshold_indices, static_argnums=2)(x, h, k)
-  assert int(passed) == k
-  assert set(np.asarray(got)) == set(np.argsort(-np.abs(x))[:k])
-
-
-@pytest.mark.parametrize("size,k", [(600_000, 6000), (600_000, 1), (700_001, 7000), (600_000, 60_000),
-                                    (33_000, 330), (40_000, 1), (100_003, 10_001)])
-def test_sampled_kth_largest_is_exact_on_large_inputs(size, k):
-  rng = np.random.default_rng(size + k)
-  x = rng.standard_normal(size).astype(np.float32)
-  want = np.sort(np.abs(x))[::-1][k - 1]
-  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(x, k)) == want
-
-
-def test_sampled_kth_largest_falls_back_when_estimate_misses():
-  # Fewer nonzeros than k: the buffer path finds fewer than k candidates and
-  # the full sort must answer (the k-th largest is 0).
-  x = np.zeros(800_000, np.float32)
-  x[::8000] = np.arange(1, 101)
-  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(x, 150)) == 0.0
-  z = np.zeros(50_000, np.float32)  # the same on a leaf just above the sampling size
-  z[::1000] = np.arange(1, 51)
-  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(z, 100)) == 0.0
-  # Heavy ties: many more than 4k values equal the k-th largest.
-  y = np.ones(600_000, np.float32)
-  y[:10] = 5.0
-  assert float(jax.jit(selection.kth_largest_abs, static_argnums=1)(y, 5000)) == 1.0
 
 
 @pytest.mark.parametrize("size", [31, 32, 33, 1000, 4099])
@@ -130,12 +88,3 @@ def test_the_sample_of_a_head_of_1000_classes_sees_every_class():
   stride = selection.sample_stride(size, k)
   assert stride == 123 and math.gcd(stride, 1000) == 1
   assert len(set((np.arange(0, size, stride) % 1000).tolist())) == 1000
-
-
-def test_kth_largest_abs_is_exact_on_a_head_whose_classes_differ_in_scale():
-  rng = np.random.default_rng(0)
-  scale = np.where(np.arange(1000) % 125 == 0, 0.01, 1.0).astype(np.float32)
-  x = (rng.standard_normal((2048, 1000)).astype(np.float32) * scale)
-  k = 20480
-  got = jax.jit(selection.kth_largest_abs, static_argnums=1)(jnp.asarray(x), k)
-  assert float(got) == float(np.sort(np.abs(x).reshape(-1))[-k])
