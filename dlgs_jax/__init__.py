@@ -12,6 +12,7 @@ placement, planning, profiling, training) is importable from its submodule.
 from dlgs_jax.compress.deep_gradient_compression import dgc
 from dlgs_jax.compress.grouping import backward_order, output_layer
 from dlgs_jax.compress.hierarchical import two_level
+from dlgs_jax.compress.rules import AdaptedReuse, FixedReuse, RefreshReuse
 from dlgs_jax.compress.schedule import density_schedule
 from dlgs_jax.compress.state import comm_report
 from dlgs_jax.compress.ternary import terngrad
@@ -26,6 +27,8 @@ __all__ = [
     # The transforms: optax GradientTransformations.
     "dense", "dgc", "dlgs", "gtopk", "lags", "terngrad", "topk", "two_level",
     "density_schedule",
+    # DLGS's threshold rules: the paper's fixed reuse, the refresh rule, adapted reuse.
+    "FixedReuse", "RefreshReuse", "AdaptedReuse",
     # A whole data-parallel step, and its mesh.
     "data_parallel", "data_mesh",
     # Statistics: bytes sent, values selected, exact thresholds, per transform.

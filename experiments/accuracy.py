@@ -46,7 +46,7 @@ from dlgs_jax.cli.train import method_flags
 from dlgs_jax.compress.selection import num_to_keep
 from dlgs_jax.workload import models
 from dlgs_jax.compress.hierarchical import slice_shape
-from dlgs_jax.compress.engine import ALWAYS_EXACT_BELOW_K
+from dlgs_jax.compress.rules import AdaptedReuse
 from dlgs_jax.compress.methods import configurations, density_free
 from dlgs_jax.training.benchmark import exchange_of
 
@@ -166,7 +166,7 @@ def threshold_stats(steps, model: str, density: float, fast_size: int = 1, *,
   slice of each leaf, with that slice's k. With the whole model in one group
   the leaves counted also tell how many values were under an exact threshold
   (`exact_values_share`): the group recomputed, or only the leaves of
-  k < `engine.ALWAYS_EXACT_BELOW_K` did (`few_exact`: adapted thresholds).
+  k < `rules.AdaptedReuse().exact_below_k` did (`few_exact`: adapted thresholds).
   """
   sizes = [math.prod(slice_shape(leaf.shape, fast_size))
            for leaf in jax.tree_util.tree_leaves(models.param_shapes(model))]
@@ -177,7 +177,7 @@ def threshold_stats(steps, model: str, density: float, fast_size: int = 1, *,
   exact = leaves / len(sizes)
   values_share = None
   if one_group:
-    few = [kl < ALWAYS_EXACT_BELOW_K for kl in ks] if few_exact else [False] * len(ks)
+    few = [kl < AdaptedReuse().exact_below_k for kl in ks] if few_exact else [False] * len(ks)
     regrouped = (leaves - sum(few)) / (len(sizes) - sum(few))  # steps the group recomputed
     few_values = sum(size for size, f in zip(sizes, few) if f) / sum(sizes)
     values_share = float(np.mean(regrouped + (1 - regrouped) * few_values))

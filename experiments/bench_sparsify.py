@@ -8,7 +8,7 @@ On the real leaf shapes of ResNet-20, VGG16 (CIFAR) and ResNet-50, at density
   values, the default); each step then selects ``|g| >= H`` into the
   fixed-capacity buffers (also reported: the exact and the reuse step alone);
 * ``paper``: the same on the paper's fixed schedule (thresholds reused as
-  they are: ``refresh_below=None``), what the adaptation costs;
+  they are: ``FixedReuse``), what the adaptation costs;
 * ``lags``: exact ``lax.top_k`` of every leaf, every step;
 * ``topk``: one ``lax.top_k`` over all leaves concatenated;
 * ``*_update``: the whole transform update on one worker (residual add,
@@ -29,7 +29,6 @@ Prints a table of medians (ms) and ratios, and writes JSON.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import platform
 from pathlib import Path
@@ -65,13 +64,23 @@ def threshold_step(layout, select, reuse_every):
   return step
 
 
-def make_selectors(params, density, reuse_every, single, candidates):
-  layout = engine.make_layout(params, None, None, single_group=single)
+def rule_of(candidates, reuse_every):
+  """DLGS's reuse with `candidates` thresholds a step (one: the refresh rule)."""
+  if candidates == 1:
+    return dlgs_jax.RefreshReuse(reuse_every)
+  return dlgs_jax.AdaptedReuse(reuse_every, candidates=candidates)
+
+
+def make_selectors(params, density, reuse_every, grouped, candidates):
+  """DLGS's (adapted and paper) selection, LAGS's and Top-k's, jitted; `grouped` as `--grouping`."""
+  layout = engine.make_layout(params, None, None, single_group=grouped == "single",
+                              buckets=grouped == "default")
   sizes = layout.sizes
-  select = engine.Selection("threshold", density, refresh_below=0.5, candidates=candidates)
+  select = engine.Selection("threshold", density, rule=rule_of(candidates, reuse_every))
   ks = [select.leaf_k(layout, leaf) for leaf in range(len(sizes))]
   dlgs_step = threshold_step(layout, select, reuse_every)
-  paper_step = threshold_step(layout, engine.Selection("threshold", density), reuse_every)
+  paper = engine.Selection("threshold", density, rule=dlgs_jax.FixedReuse(reuse_every))
+  paper_step = threshold_step(layout, paper, reuse_every)
 
   @jax.jit
   def lags_step(leaves):
@@ -137,14 +146,14 @@ def schedule_period(tx, gradients: list, warm_periods: int = 2, update=None):
   return run, float(np.mean(exact))
 
 
-def bench_config(name, density, reuse_every, repeats, with_updates, single, candidates):
+def bench_config(name, density, reuse_every, repeats, with_updates, grouped, candidates):
   params = models.param_shapes(name)
   period = step_gradients(params, reuse_every if with_updates else 1)
   grads = period[0]
   leaves = jax.tree_util.tree_leaves(grads)
   sizes = [int(g.size) for g in leaves]
   dlgs_step, paper_step, lags_step, topk_step = make_selectors(
-      params, density, reuse_every, single, candidates)
+      params, density, reuse_every, grouped, candidates)
   thresholds = [jnp.zeros((), jnp.float32) for _ in leaves]
   _, thresholds = dlgs_step(leaves, thresholds, jnp.int32(0))
 
@@ -156,7 +165,7 @@ def bench_config(name, density, reuse_every, repeats, with_updates, single, cand
 
   row = {
       "model": name, "density": density, "reuse_every": reuse_every,
-      "grouping": "single" if single else "leaf", "candidates": candidates,
+      "grouping": grouped, "candidates": candidates,
       "params": sum(sizes), "leaves": len(sizes),
       "dlgs_ms": median_ms(lambda: cycle(dlgs_step), repeats) / reuse_every,
       "dlgs_exact_step_ms": median_ms(lambda: dlgs_step(leaves, thresholds, jnp.int32(0)), repeats),
@@ -166,11 +175,12 @@ def bench_config(name, density, reuse_every, repeats, with_updates, single, cand
       "topk_ms": median_ms(lambda: topk_step(leaves), repeats),
   }
   if with_updates:
-    groups = [grouping.leaf_paths(params)] if single else None
-    for method, tx in (("dlgs", dlgs_jax.dlgs(density, reuse_every=reuse_every, groups=groups,
-                                              candidates=candidates)),
-                       ("paper", dlgs_jax.dlgs(density, reuse_every=reuse_every, groups=groups,
-                                               refresh_below=None)),
+    paths = grouping.leaf_paths(params)
+    groups = {"single": [paths], "leaf": [[p] for p in reversed(paths)], "default": None}[grouped]
+    adapted = rule_of(candidates, reuse_every)
+    for method, tx in (("dlgs", dlgs_jax.dlgs(density, thresholds=adapted, groups=groups)),
+                       ("paper", dlgs_jax.dlgs(density, thresholds=dlgs_jax.FixedReuse(reuse_every),
+                                               groups=groups)),
                        ("lags", dlgs_jax.lags(density, groups=groups)),
                        ("topk", dlgs_jax.topk(density))):
       for key, value in programs.program_counts(tx.update, grads, tx.init(grads)).items():
@@ -182,6 +192,37 @@ def bench_config(name, density, reuse_every, repeats, with_updates, single, cand
   row["lags_over_dlgs"] = row["lags_ms"] / row["dlgs_ms"]
   row["topk_over_dlgs"] = row["topk_ms"] / row["dlgs_ms"]
   return row
+
+
+def grouping_counts(leaf_counts=(20, 160), density: float = 0.01) -> list[dict]:
+  """Conditionals and kernels of DLGS's and LAGS's updates as the leaves grow.
+
+  A model of `n` leaves (3x3x32x32 kernels and their biases); each transform
+  with its default grouping (`grouping.size_buckets`) and, for comparison,
+  with one group per leaf. Compiled for this backend, not timed.
+  """
+  rows = []
+  for n in leaf_counts:
+    params = {f"layer{i:03d}": {"bias": jax.ShapeDtypeStruct((32,), jnp.float32),
+                                "kernel": jax.ShapeDtypeStruct((3, 3, 32, 32), jnp.float32)}
+              for i in range(n // 2)}
+    per_leaf = [[path] for path in reversed(grouping.leaf_paths(params))]
+    for name, tx in (("dlgs", dlgs_jax.dlgs(density)), ("lags", dlgs_jax.lags(density)),
+                     ("dlgs per leaf", dlgs_jax.dlgs(density, groups=per_leaf)),
+                     ("lags per leaf", dlgs_jax.lags(density, groups=per_leaf))):
+      state = tx.init(params)
+      counts = programs.program_counts(tx.update, params, state)
+      rows.append({"leaves": n, "transform": name, "groups": len(state.stats.groups),
+                   **counts})
+  return rows
+
+
+def format_grouping(rows) -> str:
+  lines = ["| leaves | transform | groups | conditionals | sorts + top-k | kernels |",
+           "|---|---|---|---|---|---|"]
+  lines += [f"| {r['leaves']} | {r['transform']} | {r['groups']} | {r['conditionals']} | "
+            f"{r['sorts'] + r['top_k']} | {r['kernels']} |" for r in rows]
+  return "\n".join(lines)
 
 
 # The transforms whose whole update is timed and counted.
@@ -220,11 +261,15 @@ def main(argv=None):
   parser.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.01])
   parser.add_argument("--reuse-every", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=7)
-  parser.add_argument("--grouping", choices=["single", "leaf"], default="single",
+  parser.add_argument("--grouping", choices=["single", "leaf", "default"], default="single",
                       help="DLGS and LAGS send every leaf in one message (single; the "
-                      "selection runs as one batched pass) or one message per leaf")
+                      "selection runs as one batched pass), one message per leaf, or "
+                      "their default buckets")
+  parser.add_argument("--leaf-counts", nargs="*", type=int, default=[20, 160],
+                      help="also count the default grouping's conditionals and kernels "
+                      "at these numbers of leaves (none: skip)")
   parser.add_argument("--candidates", type=int,
-                      default=inspect.signature(dlgs_jax.dlgs).parameters["candidates"].default,
+                      default=dlgs_jax.AdaptedReuse().candidates,
                       help="DLGS's candidate thresholds per reuse step (default: dlgs's)")
   parser.add_argument("--no-updates", action="store_true",
                       help="skip timing the whole transform updates")
@@ -234,13 +279,17 @@ def main(argv=None):
   for name in args.models:
     for density in args.densities:
       row = bench_config(name, density, args.reuse_every, args.repeats, not args.no_updates,
-                         args.grouping == "single", args.candidates)
+                         args.grouping, args.candidates)
       rows.append(row)
       print(f"{name} density {density:g}: dlgs {row['dlgs_ms']:.2f} ms, lags "
             f"{row['lags_ms']:.2f} ms, topk {row['topk_ms']:.2f} ms", flush=True)
   table = format_table(rows, not args.no_updates)
   print()
   print(table)
+  counted = grouping_counts(args.leaf_counts) if args.leaf_counts else []
+  if counted:
+    print()
+    print(format_grouping(counted))
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({
@@ -248,7 +297,7 @@ def main(argv=None):
       "machine": {"platform": platform.platform(), "processor": platform.processor(),
                   "cpus": jax.local_device_count(), "backend": jax.default_backend(),
                   "jax": jax.__version__},
-      "rows": rows, "table": table}, indent=2))
+      "rows": rows, "table": table, "grouping_counts": counted}, indent=2))
   print(f"\nwrote {out}")
 
 

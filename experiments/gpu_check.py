@@ -85,17 +85,18 @@ METHODS = ("dense", "topk", "gtopk", "lags", "dlgs-paper", "dlgs")
 def transforms(density: float, reuse_every: int, params) -> list[tuple[str, str, object]]:
   """(method, grouping, transform) of every update the check times, most important first."""
   one = [grouping.leaf_paths(params)]
-  paper = dict(reuse_every=reuse_every, refresh_below=None)
+  paper = dict(thresholds=dlgs_jax.FixedReuse(reuse_every))
+  adapted = dict(thresholds=dlgs_jax.AdaptedReuse(reuse_every))
   return [
       ("dense", "-", dlgs_jax.dense()),
       ("topk", "-", dlgs_jax.topk(density)),
       ("gtopk", "-", dlgs_jax.gtopk(density)),
       ("lags", "one group", dlgs_jax.lags(density, groups=one)),
       ("dlgs-paper", "one group", dlgs_jax.dlgs(density, groups=one, **paper)),
-      ("dlgs", "one group", dlgs_jax.dlgs(density, groups=one, reuse_every=reuse_every)),
+      ("dlgs", "one group", dlgs_jax.dlgs(density, groups=one, **adapted)),
       ("lags", "default", dlgs_jax.lags(density)),
       ("dlgs-paper", "default", dlgs_jax.dlgs(density, **paper)),
-      ("dlgs", "default", dlgs_jax.dlgs(density, reuse_every=reuse_every)),
+      ("dlgs", "default", dlgs_jax.dlgs(density, **adapted)),
   ]
 
 

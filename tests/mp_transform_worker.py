@@ -24,7 +24,7 @@ workers = mesh.devices.size
 local_rows = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
 params = {"a": np.zeros((40,), np.float32), "b": {"w": np.zeros((6, 9), np.float32)}}
 methods = {
-    "dlgs": dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=2),
+    "dlgs": dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(2)),
     "dlgs_gtopk": dlgs_jax.dlgs(0.1, axis_name="data", collective="gtopk"),
     "gtopk": dlgs_jax.gtopk(0.1, axis_name="data"),
     "topk": dlgs_jax.topk(0.1, axis_name="data"),

@@ -32,9 +32,8 @@ def check_static(name: str, value) -> None:
     raise ValueError(
         f"{name} must be a Python number, got an array ({value!r}): it sizes static buffers "
         f"when the transform is built. optax.inject_hyperparams turns numeric arguments into "
-        f"arrays: list them in its static_args (for dlgs: 'density', 'reuse_every', "
-        f"'capacity_factor', 'refresh_below', 'candidates', 'min_ndim'); to change the density over "
-        f"training, use dlgs_jax.density_schedule")
+        f"arrays: list them in its static_args (for dlgs: 'density', 'capacity_factor'); "
+        f"to change the density over training, use dlgs_jax.density_schedule")
 
 
 def check_density(density) -> float:
@@ -79,19 +78,6 @@ def check_groups(groups, order):
       raise ValueError(f"order must be a list of leaf paths, got {order!r}")
     order = list(order)
   return groups, order
-
-
-def check_min_ndim(min_ndim) -> int:
-  if isinstance(min_ndim, bool) or not isinstance(min_ndim, numbers.Integral) or min_ndim < 0:
-    raise ValueError(f"min_ndim must be an integer >= 0, got {min_ndim!r}")
-  return int(min_ndim)
-
-
-def check_send_whole(send_whole) -> frozenset:
-  if isinstance(send_whole, (str, bytes)) or not isinstance(send_whole, Sequence) or not all(
-      isinstance(path, str) for path in send_whole):
-    raise ValueError(f"send_whole must be a list of leaf paths, got {send_whole!r}")
-  return frozenset(send_whole)
 
 
 def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:

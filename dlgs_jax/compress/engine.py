@@ -20,6 +20,7 @@ from jax import lax
 
 from dlgs_jax.compress import collectives
 from dlgs_jax.compress import grouping
+from dlgs_jax.compress import rules
 from dlgs_jax.compress import segmented
 from dlgs_jax.compress import selection
 from dlgs_jax.compress import wire
@@ -36,6 +37,7 @@ class Layout:
   shapes: tuple[tuple[int, ...], ...]
   dtypes: tuple[Any, ...]
   groups: tuple[tuple[int, ...], ...]  # flat leaf indices, groups in backward order
+  whole: tuple[bool, ...]          # per leaf: sent whole (`resolve_whole`)
 
   @property
   def sizes(self) -> tuple[int, ...]:
@@ -55,6 +57,8 @@ def make_layout(
     order: Optional[Sequence[str]],
     *,
     single_group: bool = False,
+    buckets: bool = False,
+    whole=None,
 ) -> Layout:
   """Builds the `Layout` of `tree` (arrays or shape structs).
 
@@ -63,15 +67,20 @@ def make_layout(
     groups: leaf-path groups, or ``None``.
     order: backward order of the leaf paths, or ``None``.
     single_group: put every leaf in one group (global top-k methods).
+    buckets: with no `groups`, bucket the leaves by size
+      (`grouping.size_buckets`) instead of one group per leaf.
+    whole: the leaves sent whole, a mask as `check_whole` accepts; None: none.
 
   Raises:
-    ValueError: from `grouping.resolve_groups`, or for an empty tree.
+    ValueError: from `grouping.resolve_groups` or `resolve_whole`, or for an
+      empty tree.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if not leaves:
     raise ValueError("the parameter tree has no leaves")
   paths = grouping.leaf_paths(tree)
-  resolved = grouping.resolve_groups(paths, groups, order)
+  sizes = [int(np.prod(leaf.shape, dtype=np.int64)) for leaf in leaves]
+  resolved = grouping.resolve_groups(paths, groups, order, sizes if buckets else None)
   if single_group:
     resolved = [[leaf for group in resolved for leaf in group]]
   for leaf in leaves:
@@ -83,7 +92,64 @@ def make_layout(
       shapes=tuple(tuple(leaf.shape) for leaf in leaves),
       dtypes=tuple(jnp.result_type(leaf) for leaf in leaves),
       groups=tuple(tuple(group) for group in resolved),
+      whole=resolve_whole(whole, tree, paths),
   )
+
+
+def check_whole(whole):
+  """Validates a send-whole mask once, when a transform is built.
+
+  Accepted, as optax's masks are: None (no leaf); a callable taking the
+  parameter tree and returning a tree of Python bools like it; a tree of
+  bools like the parameters; or, as `groups` name leaves, a list of leaf
+  paths (`grouping.leaf_paths`, e.g. `grouping.output_layer`).
+
+  Raises:
+    ValueError: for anything else, naming the value and the forms accepted.
+  """
+  if whole is None or callable(whole):
+    return whole
+  if isinstance(whole, (str, bytes)):
+    raise ValueError(f"send_whole={whole!r} is a single string: pass a list of leaf paths, "
+                     f"e.g. [{whole!r}]")
+  if isinstance(whole, (list, tuple)) and whole and all(isinstance(p, str) for p in whole):
+    return tuple(whole)
+  leaves = jax.tree_util.tree_leaves(whole)
+  if not all(isinstance(leaf, (bool, np.bool_)) for leaf in leaves):
+    raise ValueError(
+        f"send_whole={whole!r} is not a mask: pass a tree of Python bools shaped like the "
+        f"parameters, a callable params -> such a tree (e.g. lambda p: jax.tree.map("
+        f"lambda x: x.ndim < 2, p) for biases and norms), or a list of leaf paths")
+  return whole
+
+
+def resolve_whole(whole, tree, paths: Sequence[str]) -> tuple[bool, ...]:
+  """Per leaf of `tree` (flatten order), whether the mask `whole` sends it whole.
+
+  Raises:
+    ValueError: a path the tree lacks, or a mask (or a callable's result)
+      that is not a tree of bools shaped like `tree`.
+  """
+  if whole is None:
+    return (False,) * len(paths)
+  if isinstance(whole, tuple) and all(isinstance(p, str) for p in whole):
+    unknown = sorted(set(whole) - set(paths))
+    if unknown:
+      raise ValueError(f"send_whole names leaves the tree does not have: {unknown!r}; "
+                       f"its leaves are {list(paths)!r}")
+    return tuple(path in whole for path in paths)
+  mask = whole(tree) if callable(whole) else whole
+  treedef = jax.tree_util.tree_structure(tree)
+  try:
+    flags = treedef.flatten_up_to(mask)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"send_whole's mask is not shaped like the parameters ({treedef}): "
+                     f"{str(e).splitlines()[0]}") from None
+  if not all(isinstance(flag, (bool, np.bool_)) for flag in flags):
+    raise ValueError(f"send_whole's mask must hold Python bools (one per leaf), got "
+                     f"{[type(f).__name__ for f in flags][:4]}...: decide from shapes and "
+                     f"paths (x.ndim < 2), not from values")
+  return tuple(bool(flag) for flag in flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,33 +160,19 @@ class Selection:
     "threshold": |g| >= H_l per leaf into a buffer of `capacity(leaf)` (DLGS);
     "layer_topk": exact top-k per leaf (LAGS);
     "group_topk": exact top-k over each whole group (Top-k, gTop-k).
+
+  The per-leaf kinds send the leaves the layout marks whole (`Layout.whole`)
+  in full, inside the same message.
   """
   kind: str
   density: float
   capacity_factor: float = 1.0
-  # "threshold" only: recompute a group's reused thresholds early when they
-  # pass too few values (`_drifted`); None: the paper's fixed schedule.
-  refresh_below: Optional[float] = None
-  # Per-leaf kinds only: leaves with fewer dimensions (biases, normalisation
-  # scales) are sent whole, inside the same message.
-  min_ndim: int = 0
-  # Per-leaf kinds only: leaves with these paths (e.g. the classifier head) are
-  # sent whole, inside the same message.
-  whole_paths: frozenset = frozenset()
-  # "threshold" with refresh_below only: thresholds tried per leaf on a reuse
-  # step, multiples of the reused one (`candidate_factors`); 1: the refresh rule.
-  candidates: int = 1
+  # "threshold" only: how reused thresholds are recomputed and aimed
+  # (`rules`); None: the thresholds given are used as they are (DGC).
+  rule: Optional[rules.ThresholdRule] = None
 
   def sent_whole(self, layout: Layout, leaf: int) -> bool:
-    return self.kind != "group_topk" and (
-        len(layout.shapes[leaf]) < self.min_ndim or layout.paths[leaf] in self.whole_paths)
-
-  def check_paths(self, layout: Layout) -> None:
-    """Raises ValueError when a path of `whole_paths` is not a leaf of the tree."""
-    unknown = sorted(set(self.whole_paths) - set(layout.paths))
-    if unknown:
-      raise ValueError(f"send_whole names leaves the tree does not have: {unknown!r}; "
-                       f"its leaves are {list(layout.paths)!r}")
+    return self.kind != "group_topk" and layout.whole[leaf]
 
   def leaf_k(self, layout: Layout, leaf: int) -> int:
     size = layout.sizes[leaf]
@@ -175,27 +227,6 @@ def lay_out_by_default() -> bool:
   return jax.default_backend() != "cpu"
 
 
-def candidate_factors(candidates: int) -> np.ndarray:
-  """Multipliers of a reused threshold tried on a reuse step: ``2^(j/8)``, two thirds below 1.
-
-  Below, because right after an exact step the values sent leave the residual
-  and the old threshold passes too few values (ResNet-20, density 0.1: 38% of k).
-  Close together, because error feedback piles the residual up just below the
-  threshold, where a few percent change the count several-fold.
-  """
-  below = (2 * (candidates - 1) + 2) // 3
-  return (2.0 ** (np.arange(-below, candidates - below) / 8)).astype(np.float32)
-
-
-# Leaves that keep fewer values than this take their exact threshold on every
-# step, without the candidates: their counts move by whole values, too coarse
-# to aim with. With candidates, 32 of ResNet-20's 39 BatchNorm leaves (k = 1 at
-# density 0.01) passed nothing on a reuse step, and accuracy fell ~4 points;
-# picking the candidate that passed one value instead overflowed on nearly
-# every step. Their values are few (ResNet-20: 2.4K of 270K).
-ALWAYS_EXACT_BELOW_K = 16
-
-
 # Counting candidates on every stride-th value keeps about this many values of
 # a leaf near k_l in the count: a relative error of ~3%, against the ~9% step
 # between candidates.
@@ -210,14 +241,10 @@ def step_thresholds(
   """H_l of a group's leaves for this step, all of them at once.
 
   The exact k_l-th largest ``|g_l|`` (`segmented.exact_thresholds`) when
-  `recompute`; otherwise the reused thresholds, adapted when
-  ``select.refresh_below`` is set (`_adapted`): each leaf counts the values
-  passing at ``select.candidates`` multiples of its threshold and
-  interpolates between the two that bracket its target count, and leaves of
-  k_l < `ALWAYS_EXACT_BELOW_K` take their exact threshold. The group
-  recomputes exactly (one conditional per group) when `_drifted` says so.
-  With one candidate this is the refresh rule; without ``refresh_below`` the
-  paper's fixed schedule.
+  `recompute`; otherwise the reused thresholds, as ``select.rule`` says
+  (`rules`): kept (`FixedReuse`, `RefreshReuse`) or re-aimed (`AdaptedReuse`,
+  `_adapted`, its leaves of small k exact). The group recomputes exactly (one
+  conditional per group) when the rule's drift test says so.
 
   Args:
     select: the "threshold" selection.
@@ -232,23 +259,26 @@ def step_thresholds(
     (`segmented.pack`) at those thresholds; int32 number of leaves whose
     threshold was computed exactly.
   """
+  rule = select.rule
   ks = [select.leaf_k(layout, leaf) for leaf in leaves]
   whole = [select.sent_whole(layout, leaf) for leaf in leaves]
   sparse = sum(not w for w in whole)
   exact = lambda: segmented.exact_thresholds(values, ks, whole)
-  if select.refresh_below is None:
+  if rule is None or isinstance(rule, rules.FixedReuse):
     thresholds = lax.cond(recompute, exact, lambda: previous)
     return thresholds, values.pack(thresholds), recompute.astype(jnp.int32) * sparse
   capacities = np.array([select.leaf_capacity(layout, leaf) for leaf in leaves])
+  adapts = isinstance(rule, rules.AdaptedReuse)
   few = [i for i, (k, w) in enumerate(zip(ks, whole))
-         if k < ALWAYS_EXACT_BELOW_K and not w and select.candidates > 1]
+         if adapts and k < rule.exact_below_k and not w]
   aimed = [i for i, w in enumerate(whole) if not w and i not in few]
-  chosen = _adapted(select, values, previous, ks, aimed)
+  chosen = _adapted(rule, values, previous, ks, aimed) if adapts and aimed else previous
   if few:
     chosen = chosen.at[np.asarray(few)].set(_exact_subset(values, few, [ks[i] for i in few]))
   words = values.pack(chosen)
   passed = segmented.passing_counts(words, values.segs)
-  redo = recompute | _drifted(select, passed, ks, capacities, whole, previous > 0)
+  redo = recompute | rule.drifted(passed, ks, capacities, [not w for w in whole],
+                                  previous > 0)
 
   def recomputed():
     thresholds = exact()
@@ -266,49 +296,11 @@ def _exact_subset(values: segmented.Values, leaves: Sequence[int], ks) -> jax.Ar
   return segmented.exact_thresholds(subset, ks, [False] * len(leaves))
 
 
-# With adaptation a leaf may pass up to this many times its buffer before its
-# group recomputes: the buffer then holds the first passing values in index
-# order, all of them among the leaf's ~2 k_l largest, and the rest wait in the
-# residual.
-OVERFLOW_FACTOR = 2
-
-
-def _drifted(select: Selection, passed: jax.Array, ks, capacities, whole, live: jax.Array
-             ) -> jax.Array:
-  """Whether a group's reused thresholds are too far off, bool scalar.
-
-  The refresh rule (one candidate) checks each leaf: fewer than
-  ``refresh_below * k_l`` or more than its buffer. Adapted thresholds re-aim
-  every step, so one leaf off by a little for one step is corrected on the
-  next; asking every leaf of a merged group to land in its band made a group
-  of ResNet-20's 59 leaves recompute on every step at density 0.01 (and 0.1).
-  With adaptation the group recomputes when its leaves together send fewer
-  than ``refresh_below`` of the group's k, or one leaf passes more than
-  `OVERFLOW_FACTOR` times its buffer.
-
-  A leaf whose threshold is 0 (`live` false: its last exact step found fewer
-  than k_l nonzero values) sends every nonzero value it has, so it cannot
-  send too few: it counts in neither the leaf's check nor the group's (a
-  ResNet-50 whose last BatchNorm scale of each block starts at zero has many
-  such kernels in its first steps; recomputing cannot make them send more).
-  """
-  sparse = ~np.asarray(whole)
-  ks = np.asarray(ks)
-  if select.candidates == 1:
-    low = np.ceil(select.refresh_below * ks).astype(np.int64)
-    return jnp.any((((passed < low) & live) | (passed > capacities)) & sparse)
-  counted = live & sparse
-  sent = jnp.sum(jnp.where(counted, jnp.minimum(passed, capacities), 0))
-  short = sent < jnp.ceil(select.refresh_below * jnp.sum(jnp.where(counted, ks, 0)))
-  overflow = jnp.any((passed > OVERFLOW_FACTOR * capacities) & sparse)
-  return short | overflow
-
-
-def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, ks,
+def _adapted(rule: rules.AdaptedReuse, values: segmented.Values, previous: jax.Array, ks,
              aimed: Sequence[int]) -> jax.Array:
-  """Thresholds of the `aimed` leaves aimed at `adaptation_target` values, float32 [L].
+  """Thresholds of the `aimed` leaves aimed at ``rule.target * k_l`` values, float32 [L].
 
-  The candidates are `candidate_factors` multiples of `previous`; their counts
+  The candidates are ``rule.factors()`` multiples of `previous`; their counts
   fall with the threshold. Between the last candidate passing more than the
   target and the next one, the threshold is interpolated linearly (count
   against threshold): below a reused threshold, where the residual piles up,
@@ -318,15 +310,13 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   (lowest) one. The other leaves (sent whole, or exact on every step) keep
   `previous` and are not counted.
   """
-  if select.candidates == 1 or not aimed:
-    return previous
   aimed_at = np.asarray(aimed)
-  factors = candidate_factors(select.candidates)
+  factors = rule.factors()
   trials = previous[aimed_at][:, None] * factors[None, :]
   strides = [selection.coprime_stride(min(_MAX_COUNT_STRIDE, ks[i] // _COUNTED_NEAR_K),
                                       values.segs.sizes[i]) for i in aimed]
   counts = values.count_at(trials, strides, aimed).astype(jnp.float32) + 0.5
-  target = jnp.asarray(adaptation_target(select) * np.asarray(ks, np.float32)[aimed_at])[:, None]
+  target = jnp.asarray(rule.target * np.asarray(ks, np.float32)[aimed_at])[:, None]
   last_above = jnp.sum(counts > target, axis=1) - 1
   lo = jnp.clip(last_above, 0, len(factors) - 2)[:, None]
   c_lo = jnp.take_along_axis(counts, lo, axis=1)
@@ -338,17 +328,6 @@ def _adapted(select: Selection, values: segmented.Values, previous: jax.Array, k
   f_lo = jnp.asarray(factors)[lo[:, 0]]
   f_hi = jnp.asarray(factors)[lo[:, 0] + 1]
   return previous.at[aimed_at].set(previous[aimed_at] * (f_lo + part * (f_hi - f_lo)))
-
-
-# Adapted thresholds aim below k_l: a leaf passing more than its buffer sends
-# its first passing values in index order, not its largest, and a linear
-# interpolation lands under its target where the counts are convex (the tail).
-_AIM = 0.9
-
-
-def adaptation_target(select: Selection) -> float:
-  """Values an adapted threshold aims to pass, as a fraction of k_l (within the band)."""
-  return max(_AIM, select.refresh_below)
 
 
 def threshold_indices(select: Selection, layout: Layout, leaves: Sequence[int],

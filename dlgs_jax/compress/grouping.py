@@ -125,20 +125,52 @@ def _sub_jaxpr(eqn):
   return None
 
 
+# Default buckets hold up to this many values, the 25 MB of float32 that
+# PyTorch DDP's buckets hold: each bucket is one message, one compaction and
+# one conditional, so their number grows with the model's size, not with its
+# number of leaves (ResNet-50: 161 leaves in 4 buckets).
+BUCKET_VALUES = 25 * 2**20 // 4
+
+
+def size_buckets(sizes: Sequence[int], limit: int = BUCKET_VALUES) -> list[list[int]]:
+  """Consecutive runs of leaves of at most `limit` values (a larger leaf alone).
+
+  Args:
+    sizes: the leaves' sizes, in the order they are bucketed (backward order).
+    limit: the most values a bucket holds (>= 1).
+
+  Returns:
+    Positions in `sizes`, one list per bucket, in order.
+  """
+  buckets: list[list[int]] = []
+  total = 0
+  for i, size in enumerate(sizes):
+    if not buckets or total + size > limit:
+      buckets.append([])
+      total = 0
+    buckets[-1].append(i)
+    total += size
+  return buckets
+
+
 def resolve_groups(
     paths: Sequence[str],
     groups: Optional[Sequence[Sequence[str]]],
     order: Optional[Sequence[str]] = None,
+    sizes: Optional[Sequence[int]] = None,
 ) -> list[list[int]]:
   """Validates `groups` and turns them into lists of flat leaf indices.
 
   Args:
     paths: every leaf path, in flatten order (`leaf_paths(params)`).
     groups: a partition of the leaf paths into runs, listed in backward order;
-      ``None`` gives one group per leaf, in `order` (or reverse flatten order).
+      ``None`` gives one group per leaf, in `order` (or reverse flatten order),
+      or with `sizes` buckets of those leaves (`size_buckets`).
     order: the backward order of all leaves (e.g. from `backward_order`). When
       given, every group must be a contiguous run of it, and the groups must
       appear in it in order.
+    sizes: the leaves' sizes in flatten order, to bucket them when `groups` is
+      None.
 
   Returns:
     One list of flat leaf indices per group.
@@ -152,8 +184,12 @@ def resolve_groups(
     order = list(order)
     _check_partition(index_of, [order], what="order")
   if groups is None:
-    sequence = order if order is not None else list(reversed(paths))
-    return [[index_of[path]] for path in sequence]
+    sequence = [index_of[path] for path in (order if order is not None
+                                             else list(reversed(paths)))]
+    if sizes is None:
+      return [[leaf] for leaf in sequence]
+    return [[sequence[i] for i in bucket]
+            for bucket in size_buckets([sizes[leaf] for leaf in sequence])]
   groups = [list(group) for group in groups]
   _check_partition(index_of, groups, what="groups")
   if order is not None:

@@ -18,9 +18,10 @@ import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
+import jax
 import optax
 
-from dlgs_jax.compress import grouping, wire
+from dlgs_jax.compress import grouping, rules, wire
 from dlgs_jax.compress.deep_gradient_compression import dgc
 from dlgs_jax.compress.ternary import terngrad
 from dlgs_jax.compress.transforms import dense, dlgs, gtopk, lags, topk
@@ -130,6 +131,36 @@ class MethodConfig:
           paths.append(path)
     return paths
 
+  def threshold_rule(self) -> rules.ThresholdRule:
+    """DLGS's threshold rule from the flat options (`rules`).
+
+    ``refresh_below=None`` is the paper's `FixedReuse`; one candidate the
+    `RefreshReuse` rule; more, `AdaptedReuse`.
+    """
+    if self.refresh_below is None:
+      return rules.FixedReuse(self.reuse_every)
+    if self.candidates == 1:
+      return rules.RefreshReuse(self.reuse_every, self.refresh_below)
+    return rules.AdaptedReuse(self.reuse_every, self.refresh_below, self.candidates)
+
+  def whole_mask(self, order: Sequence[str]):
+    """The transforms' ``send_whole`` mask: the leaves named and those of < ``min_ndim`` dims.
+
+    None when no leaf is sent whole.
+    """
+    named = frozenset(self.whole_paths(order))
+    min_ndim = self.min_ndim
+    if not named and not min_ndim:
+      return None
+
+    def mask(tree):
+      leaves, treedef = jax.tree_util.tree_flatten(tree)
+      return jax.tree_util.tree_unflatten(treedef, [
+          path in named or len(leaf.shape) < min_ndim
+          for path, leaf in zip(grouping.leaf_paths(tree), leaves)])
+
+    return mask
+
   def whole_layers(self, order: Sequence[str], shapes: dict) -> frozenset:
     """Positions in `order` of the leaves sent whole, for `timeline.MethodCosts`.
 
@@ -154,7 +185,8 @@ class MethodConfig:
     Args:
       axis_name: the data-parallel mesh axis, or None outside ``shard_map``.
       groups: layer groups (lists of leaf paths) for the methods that take them,
-        or None for the method's own grouping (dense: one message).
+        or None for a run's grouping without a plan (dense: one message;
+        LAGS and DLGS: one per leaf of `order`).
       order: leaf paths in backward order.
       seed: the random methods' seed (DGC's sampling, TernGrad's rounding).
       warmup_steps: DGC's density warm-up in steps.
@@ -256,16 +288,26 @@ def _build_gtopk(c: MethodConfig, ctx: _BuildContext):
   return gtopk(c.density, axis_name=ctx.axis_name)
 
 
+def _layer_groups(ctx: _BuildContext):
+  """LAGS's and DLGS's groups in a run: the plan's, else one per leaf (``--planner none``).
+
+  Without an order (nothing to list leaves by), the transforms' own buckets.
+  """
+  if ctx.groups is not None or not ctx.order:
+    return ctx.groups
+  return [[path] for path in ctx.order]
+
+
 def _build_lags(c: MethodConfig, ctx: _BuildContext):
-  return lags(c.density, axis_name=ctx.axis_name, groups=ctx.groups, order=ctx.order,
-              collective=c.collective, min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order),
+  return lags(c.density, axis_name=ctx.axis_name, groups=_layer_groups(ctx), order=ctx.order,
+              collective=c.collective, send_whole=c.whole_mask(ctx.order),
               wire_dtype=c.wire_dtype)
 
 
 def _build_dlgs(c: MethodConfig, ctx: _BuildContext):
-  return dlgs(c.density, axis_name=ctx.axis_name, reuse_every=c.reuse_every, groups=ctx.groups,
-              order=ctx.order, collective=c.collective, refresh_below=c.refresh_below,
-              candidates=c.candidates, min_ndim=c.min_ndim, send_whole=c.whole_paths(ctx.order), wire_dtype=c.wire_dtype)
+  return dlgs(c.density, axis_name=ctx.axis_name, thresholds=c.threshold_rule(),
+              groups=_layer_groups(ctx), order=ctx.order, collective=c.collective,
+              send_whole=c.whole_mask(ctx.order), wire_dtype=c.wire_dtype)
 
 
 def _build_dgc(c: MethodConfig, ctx: _BuildContext):

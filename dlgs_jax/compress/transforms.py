@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dlgs_jax.compress import common, engine, wire
+from dlgs_jax.compress import common, engine, rules, wire
 from dlgs_jax.compress.state import (DenseState, DLGSState, SparseState, empty_stats,
                                      skipped_stats, step_stats)
 
@@ -61,21 +61,21 @@ def _sparse_transform(
     groups,
     order,
     single_group: bool,
-    reuse_every: Optional[int],
     skip_nonfinite: bool,
+    whole=None,
     residual_dtype="float32",
     wire_dtype="float32",
 ) -> optax.GradientTransformation:
-  """Residual + selection + sparse collective; `reuse_every` enables DLGS thresholds."""
+  """Residual + selection + sparse collective; a "threshold" selection keeps DLGS thresholds."""
   with_thresholds = select.kind == "threshold"
+  reuse_every = select.rule.every if with_thresholds else None
   wire_dtype = common.check_sparse_wire(wire_dtype, collective)
   residual_dtype = common.check_residual_dtype(residual_dtype)
   axis_name = common.check_axis_name(axis_name)
 
   def layout_of(tree):
-    layout = engine.make_layout(tree, groups, order, single_group=single_group)
-    select.check_paths(layout)
-    return layout
+    return engine.make_layout(tree, groups, order, single_group=single_group,
+                              buckets=not single_group, whole=whole)
 
   def init_fn(params):
     layout = layout_of(params)
@@ -132,126 +132,87 @@ def dlgs(
     density: float,
     *,
     axis_name=None,
-    reuse_every: int = 10,
+    thresholds: rules.ThresholdRule = rules.AdaptedReuse(),
     groups=None,
     order: Optional[Sequence[str]] = None,
+    send_whole=None,
     collective: str = "allgather",
     capacity_factor: float = 1.0,
-    refresh_below: Optional[float] = 0.5,
-    candidates: int = 7,
-    min_ndim: int = 0,
-    send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
     residual_dtype="float32",
     wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
 
-  Per leaf l: ``g = e + grad``; the threshold H_l is the exact k_l-th largest
+  Per leaf l: ``g = e + grad``; values with ``|g| >= H_l`` (and ``g != 0``) are
+  sent and the rest stays in the residual e. H_l is the exact k_l-th largest
   ``|g|`` (``k_l = max(1, ceil(density * size_l))``) on step 0 and every
-  `reuse_every` steps, and reused in between -- the exact top-k that LAGS pays
-  every step is paid once per `reuse_every` steps. Values with ``|g| >= H_l``
-  (and ``g != 0``) are sent; everything else stays in the residual e.
+  ``thresholds.every`` steps, and reused in between: the exact top-k that LAGS
+  pays every step is paid once a period. `thresholds` says how reused
+  thresholds are kept (`FixedReuse`, the paper), refreshed (`RefreshReuse`)
+  or re-aimed every step (`AdaptedReuse`, the default; `rules` says why). A
+  group's leaves are selected together: one counting pass, one compaction and
+  one conditional per group and step, however many leaves it holds.
 
-  Adaptation and refresh (our addition; ``refresh_below=None`` gives the
-  paper's fixed schedule): right after an exact step the sent values leave the
-  residual, so the old threshold passes far fewer than k_l values and training
-  falls behind LAGS (measured in experiments/README.md). So on a reuse step
-  each leaf counts the values passing at `candidates` multiples of its
-  threshold and interpolates linearly between the two that bracket
-  ``0.9 * k_l`` values (``refresh_below * k_l`` if higher); every leaf's
-  threshold in a group is recomputed exactly on that step when the group's
-  leaves together send fewer than ``refresh_below`` of its k, or one leaf
-  passes more than twice its buffer. With ``candidates=1`` (the refresh rule) the thresholds
-  are reused as they are and the check is per leaf: a leaf passing fewer than
-  ``refresh_below * k_l`` values or more than its buffer holds. A group's
-  leaves are handled together (`segmented`): one counting pass, one
-  compaction and one conditional per group and step, however many leaves it
-  holds; a planned grouping (`groups`) thus also batches the selection.
-
-  Capacity rule: static shapes need a fixed buffer, so leaf l sends at most
-  ``min(size_l, ceil(capacity_factor * k_l))`` values -- the first ones in flat
-  index order when more pass a reused threshold. Values that pass but do not
-  fit stay in the residual (nothing is lost) and ``stats.passed`` exceeds
-  ``stats.selected``. With the default factor 1 a worker never sends more than
-  the density asks for; buffers travel whole, so the bytes on the wire are
-  those of the capacity.
+  Static shapes need a fixed buffer: leaf l sends at most
+  ``min(size_l, ceil(capacity_factor * k_l))`` values, the first ones in flat
+  index order when more pass a reused threshold. What does not fit stays in
+  the residual (nothing is lost; ``stats.passed`` exceeds ``stats.selected``).
+  Buffers travel whole, so the bytes on the wire are those of the capacity.
 
   Args:
     density: fraction of each leaf sent, in (0, 1].
     axis_name: data-parallel axis name (or tuple of names); ``None`` = one worker
-      (under a plain `jax.jit` with a sharded batch JAX then all-reduces the
-      gradient densely itself: see the module docstring).
-    reuse_every: recompute thresholds exactly every this many steps (>= 1; 1
-      gives exact layer-wise top-k every step).
+      (see the module docstring for a plain `jax.jit`).
+    thresholds: the threshold rule, `rules.AdaptedReuse()` by default;
+      ``FixedReuse(every=10)`` is the paper's.
     groups: leaf-path groups (contiguous runs in backward order, listed in
       backward order), each packed into one buffer and sent in one collective;
-      or a plan with ``.groups`` and ``.order``; ``None``: one group per leaf.
+      or a plan with ``.groups`` and ``.order``. ``None``: buckets of
+      consecutive leaves (in `order`, else reverse flatten order) of up to
+      `grouping.BUCKET_VALUES` values, as DDP buckets, so that the update's
+      conditionals and kernels do not grow with the number of leaves;
+      ``[[path] for path in order]`` sends each leaf alone.
     order: backward order of all leaf paths (`grouping.backward_order`); when
-      given, groups are checked to be contiguous runs of it.
+      given, groups are checked to be contiguous runs of it and buckets follow it.
+    send_whole: leaves sent whole (every nonzero value, in the same message),
+      an optax-style mask (`engine.check_whole`): a tree of bools like the
+      parameters, a callable returning one, or a list of leaf paths. Typical:
+      the classifier head (`grouping.output_layer`), which a per-layer budget
+      starves, or biases and norms (``lambda p: jax.tree.map(lambda x: x.ndim
+      < 2, p)``, as DGC does). None (the paper): every leaf is sparsified.
     collective: "allgather" (all-gather pairs, scatter-add, divide by P) or
       "gtopk" (gTop-k reduction per group, keeping sum_l k_l values globally).
     capacity_factor: buffer size per leaf in units of k_l (>= 1).
-    refresh_below: recompute a group's thresholds early when its leaves
-      together send fewer than this fraction of its k (each leaf, with one
-      candidate), or a leaf overflows its buffer (see above) (in [0, 1]);
-      ``None``: never early (the paper).
-    candidates: with `refresh_below`, thresholds each leaf tries on a reuse
-      step, multiples ``2^(j/8)`` of its reused one, two thirds below it,
-      between which it interpolates; leaves of k_l < 16 take their exact
-      threshold on every step instead (in [1, 16]; 1: the reused threshold
-      only, the refresh rule).
-    min_ndim: leaves with fewer dimensions are sent whole (every nonzero
-      value, in the same message), as DGC does for biases and normalisation
-      parameters; 0 (the paper): every leaf is sparsified.
-    send_whole: leaf paths (as `grouping.leaf_paths` writes them) sent whole,
-      every nonzero value in the same message: typically the classifier head
-      (`grouping.output_layer`), which a per-layer budget starves; () (the
-      paper): none. Checked against the tree at init.
     skip_nonfinite: skip steps with non-finite gradients (module docstring).
     residual_dtype: dtype of the error-feedback residuals of floating leaves
       (float32 whatever the parameters' dtype: bfloat16 residuals would round
-      away the small values they exist to keep). The mean is computed in it, and
-      what rounding it to the gradient's dtype loses stays in the residuals.
+      away the small values they exist to keep).
     wire_dtype: dtype of the values in the all-gather's messages: "float32"
       (8-byte pairs) or "bfloat16" (6-byte pairs; what rounding a sent value
-      loses stays in the sender's residual, so nothing is lost). Not with
-      ``collective="gtopk"``, whose all-reduce sums on the wire.
+      loses stays in the sender's residual). Not with ``collective="gtopk"``,
+      whose all-reduce sums on the wire.
 
   Returns:
     An `optax.GradientTransformation` with state `DLGSState`.
 
   Raises:
-    ValueError: for a bad argument (at construction) or bad groups / a tree that
-      does not match the state (at init/update).
+    ValueError: for a bad argument (at construction) or bad groups, a mask or
+      a tree that does not match (at init/update).
   """
   density = common.check_density(density)
-  for name, value in (("reuse_every", reuse_every), ("capacity_factor", capacity_factor),
-                      ("refresh_below", refresh_below), ("candidates", candidates),
-                      ("min_ndim", min_ndim)):
-    common.check_static(name, value)
-  if (isinstance(reuse_every, bool) or not isinstance(reuse_every, numbers.Integral)
-      or reuse_every < 1):
-    raise ValueError(f"reuse_every must be an integer >= 1, got {reuse_every!r}")
+  common.check_static("capacity_factor", capacity_factor)
   if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
       or not capacity_factor >= 1.0):
     raise ValueError(f"capacity_factor must be a number >= 1, got {capacity_factor!r}")
-  if refresh_below is not None and (
-      isinstance(refresh_below, bool) or not isinstance(refresh_below, numbers.Real)
-      or not 0.0 <= refresh_below <= 1.0):
-    raise ValueError(f"refresh_below must be in [0, 1] or None, got {refresh_below!r}")
-  if (isinstance(candidates, bool) or not isinstance(candidates, numbers.Integral)
-      or not 1 <= candidates <= 16):
-    raise ValueError(f"candidates must be an integer in [1, 16], got {candidates!r}")
+  rule = rules.check_rule(thresholds)
   groups, order = common.check_groups(groups, order)
   return _sparse_transform(
-      engine.Selection("threshold", density, float(capacity_factor),
-                       None if refresh_below is None else float(refresh_below),
-                       common.check_min_ndim(min_ndim), common.check_send_whole(send_whole),
-                       int(candidates)),
+      engine.Selection("threshold", density, float(capacity_factor), rule),
       common.check_collective(collective), axis_name=axis_name, groups=groups,
-      order=order, single_group=False, reuse_every=int(reuse_every),
-      skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype, wire_dtype=wire_dtype)
+      order=order, single_group=False, skip_nonfinite=skip_nonfinite,
+      whole=engine.check_whole(send_whole), residual_dtype=residual_dtype,
+      wire_dtype=wire_dtype)
 
 
 def lags(
@@ -260,9 +221,8 @@ def lags(
     axis_name=None,
     groups=None,
     order: Optional[Sequence[str]] = None,
+    send_whole=None,
     collective: str = "allgather",
-    min_ndim: int = 0,
-    send_whole: Sequence[str] = (),
     skip_nonfinite: bool = True,
     residual_dtype="float32",
     wire_dtype="float32",
@@ -270,17 +230,16 @@ def lags(
   """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
 
   Exact ``lax.top_k`` of every leaf on every step, with error-feedback
-  residuals. Arguments as in `dlgs` (`wire_dtype` too); state `SparseState`.
+  residuals. Arguments as in `dlgs` (`send_whole`, `wire_dtype` too); state
+  `SparseState`.
   """
   density = common.check_density(density)
   groups, order = common.check_groups(groups, order)
   return _sparse_transform(
-      engine.Selection("layer_topk", density, min_ndim=common.check_min_ndim(min_ndim),
-                       whole_paths=common.check_send_whole(send_whole)),
-      common.check_collective(collective),
+      engine.Selection("layer_topk", density), common.check_collective(collective),
       axis_name=axis_name, groups=groups, order=order, single_group=False,
-      reuse_every=None, skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype,
-      wire_dtype=wire_dtype)
+      skip_nonfinite=skip_nonfinite, whole=engine.check_whole(send_whole),
+      residual_dtype=residual_dtype, wire_dtype=wire_dtype)
 
 
 def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, residual_dtype,
@@ -288,7 +247,7 @@ def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, resi
   """One top-k over all leaves sent by `collective` (Top-k and gTop-k)."""
   return _sparse_transform(
       engine.Selection("group_topk", common.check_density(density)), collective,
-      axis_name=axis_name, groups=None, order=None, single_group=True, reuse_every=None,
+      axis_name=axis_name, groups=None, order=None, single_group=True,
       skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype, wire_dtype=wire_dtype)
 
 

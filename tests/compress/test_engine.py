@@ -7,13 +7,19 @@ import numpy as np
 import pytest
 
 from dlgs_jax.compress import engine
+from dlgs_jax.compress import rules
 from dlgs_jax.compress import segmented
 
 DENSITY = 0.1
 # Leaves of one group: k = 500, 30, 7 and 2 values; all counted exactly (stride 1);
-# the last two below engine.ALWAYS_EXACT_BELOW_K.
+# the last two below rules.AdaptedReuse().exact_below_k.
 SIZES = (5000, 300, 64, 16)
 FEW = 2
+
+
+def rule_of(candidates):
+  """Reuse with `candidates` thresholds a step: one is the refresh rule."""
+  return rules.RefreshReuse() if candidates == 1 else rules.AdaptedReuse(candidates=candidates)
 
 
 def group_layout(sizes):
@@ -46,7 +52,7 @@ def kth_largest(x, k):
 
 def adapted_reference(x, previous, k, candidates, refresh_below):
   """NumPy: the threshold interpolated linearly between the candidates that bracket 0.9 k."""
-  factors = engine.candidate_factors(candidates)
+  factors = rules.AdaptedReuse(candidates=candidates).factors()
   trials = np.float32(previous) * factors
   counts = np.array([passing(x, t) for t in trials]) + 0.5
   target = max(0.9, refresh_below) * k
@@ -66,7 +72,7 @@ def test_adapted_thresholds_and_the_group_rule_match_numpy(laid_out):
   # by NumPy, its leaves together pass fewer than half its k or one leaf more
   # than twice its buffer.
   layout = group_layout(SIZES)
-  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=7)
+  select = engine.Selection("threshold", DENSITY, rule=rules.AdaptedReuse())
   ks = [select.leaf_k(layout, leaf) for leaf in range(len(SIZES))]
   rng = np.random.default_rng(0)
   seen = set()
@@ -75,11 +81,11 @@ def test_adapted_thresholds_and_the_group_rule_match_numpy(laid_out):
     previous = np.array([kth_largest(x, k) for x, k in zip(old, ks)], np.float32)
     leaves = [(scale * rng.standard_normal(n)).astype(np.float32) for n in SIZES]
     got, exact = reuse_step(select, layout, leaves, previous, laid_out)
-    want = [adapted_reference(x, p, k, 7, 0.5) if k >= engine.ALWAYS_EXACT_BELOW_K
+    want = [adapted_reference(x, p, k, 7, 0.5) if k >= rules.AdaptedReuse().exact_below_k
             else kth_largest(x, k) for x, p, k in zip(leaves, previous, ks)]
     passed = np.array([passing(x, t) for x, t in zip(leaves, want)])
     redo = (np.minimum(passed, ks).sum() < math.ceil(0.5 * sum(ks))
-            or np.any(passed > engine.OVERFLOW_FACTOR * np.array(ks)))
+            or np.any(passed > rules.AdaptedReuse().overflow * np.array(ks)))
     if redo:
       np.testing.assert_array_equal(got, [kth_largest(x, k) for x, k in zip(leaves, ks)])
     else:
@@ -96,7 +102,7 @@ def test_one_leaf_off_its_band_recomputes_the_group_only_under_the_refresh_rule(
   # passes about k: adapted thresholds keep the group's reuse (the leaf
   # re-aims on the next step), the refresh rule recomputes the whole group.
   layout = group_layout((10000, 400))
-  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=candidates)
+  select = engine.Selection("threshold", DENSITY, rule=rule_of(candidates))
   rng = np.random.default_rng(1)
   leaves = [rng.standard_normal(n).astype(np.float32) for n in (10000, 400)]
   previous = np.array([kth_largest(leaves[0], 1000), 100.0], np.float32)
@@ -117,7 +123,7 @@ def test_a_residual_piled_up_below_the_threshold_is_not_overshot(laid_out):
   # candidates 2^(-1/8) H and H (1305 and 60 values) would pick 0.989 H and
   # pass ~230, past twice the buffer of 100.
   layout = group_layout((10000,))
-  select = engine.Selection("threshold", 0.01, refresh_below=0.5, candidates=7)
+  select = engine.Selection("threshold", 0.01, rule=rules.AdaptedReuse())
   rng = np.random.default_rng(5)
   values = np.concatenate([rng.uniform(1.0, 1.5, 60), rng.uniform(0.8, 1.0, 3000),
                            rng.uniform(0.0, 0.3, 6940)]).astype(np.float32)
@@ -132,7 +138,7 @@ def test_a_leaf_far_over_its_buffer_recomputes_the_group():
   # Every candidate of the second leaf passes all 640 values (buffer 64):
   # more than twice the buffer, so the group takes exact thresholds.
   layout = group_layout((5000, 640))
-  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=7)
+  select = engine.Selection("threshold", DENSITY, rule=rules.AdaptedReuse())
   rng = np.random.default_rng(2)
   leaves = [rng.standard_normal(n).astype(np.float32) + 0.0 for n in (5000, 640)]
   leaves[1] = np.sign(leaves[1]) * (1.0 + np.abs(leaves[1]))
@@ -149,7 +155,7 @@ def test_a_leaf_with_nothing_to_send_does_not_make_its_group_recompute(candidate
   # its thresholds. Counted as short, the zero leaf (half the group's k) would
   # make the group recompute on every step.
   layout = group_layout((5000, 5000))
-  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=candidates)
+  select = engine.Selection("threshold", DENSITY, rule=rule_of(candidates))
   rng = np.random.default_rng(4)
   leaves = [rng.standard_normal(5000).astype(np.float32), np.zeros(5000, np.float32)]
   previous = np.array([kth_largest(leaves[0], 500), 0.0], np.float32)
@@ -162,7 +168,7 @@ def test_a_zero_leaf_that_fills_past_its_buffer_still_recomputes():
   # Threshold 0 lets every nonzero value pass: once the leaf holds more than
   # twice its buffer of them, the group recomputes and finds its threshold.
   layout = group_layout((5000, 5000))
-  select = engine.Selection("threshold", DENSITY, refresh_below=0.5, candidates=7)
+  select = engine.Selection("threshold", DENSITY, rule=rules.AdaptedReuse())
   rng = np.random.default_rng(5)
   leaves = [rng.standard_normal(5000).astype(np.float32) for _ in range(2)]
   previous = np.array([kth_largest(leaves[0], 500), 0.0], np.float32)

@@ -72,3 +72,26 @@ def test_resolve_groups_default_and_errors():
     grouping.resolve_groups(paths, None, ["a", "b", "d"])
   with pytest.raises(ValueError, match="missing"):
     grouping.resolve_groups(paths, None, ["a", "b"])
+
+
+@pytest.mark.parametrize("sizes,limit,want", [
+    ([5, 5, 5], 10, [[0, 1], [2]]),
+    ([5, 20, 1, 1], 10, [[0], [1], [2, 3]]),  # a leaf over the limit travels alone
+    ([3] * 7, 100, [list(range(7))]),
+    ([1], 1, [[0]]),
+])
+def test_size_buckets_are_consecutive_runs_within_the_limit(sizes, limit, want):
+  buckets = grouping.size_buckets(sizes, limit)
+  assert buckets == want
+  assert [i for b in buckets for i in b] == list(range(len(sizes)))
+  assert all(sum(sizes[i] for i in b) <= limit or len(b) == 1 for b in buckets)
+
+
+def test_default_groups_are_size_buckets_in_backward_order():
+  paths = ["a", "b", "c", "d"]
+  sizes = [4, 3, 2, grouping.BUCKET_VALUES]
+  # No order: reverse flatten order, so "d" (over the limit) is alone and first.
+  assert grouping.resolve_groups(paths, None, None, sizes) == [[3], [2, 1, 0]]
+  order = ["b", "a", "c", "d"]
+  assert grouping.resolve_groups(paths, None, order, sizes) == [[1, 0, 2], [3]]
+  assert grouping.resolve_groups(paths, None, order) == [[1], [0], [2], [3]]

@@ -16,7 +16,7 @@ from dlgs_jax.compress.hierarchical import TwoLevelState, slice_shape, two_level
 PARAMS = {"kernel": jnp.zeros((5, 7)), "bias": jnp.zeros((3,)), "scale": jnp.zeros(())}
 AXES = ("node", "local")
 SPARSE = {
-    "dlgs": lambda axis: dlgs_jax.dlgs(0.2, axis_name=axis, reuse_every=2),
+    "dlgs": lambda axis: dlgs_jax.dlgs(0.2, axis_name=axis, thresholds=dlgs_jax.AdaptedReuse(2)),
     "lags": lambda axis: dlgs_jax.lags(0.2, axis_name=axis),
     "topk": lambda axis: dlgs_jax.topk(0.2, axis_name=axis),
     "gtopk": lambda axis: dlgs_jax.gtopk(0.2, axis_name=axis),

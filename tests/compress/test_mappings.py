@@ -20,9 +20,9 @@ WORKERS = 4
 # Every transform (test_common's), DLGS also on the paper's schedule, both exact every 2 steps.
 TRANSFORMS = {
     **BUILDERS,
-    "dlgs": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis, reuse_every=2),
-    "dlgs-paper": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis, reuse_every=2,
-                                             refresh_below=None),
+    "dlgs": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis, thresholds=dlgs_jax.AdaptedReuse(2)),
+    "dlgs-paper": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis,
+                                             thresholds=dlgs_jax.FixedReuse(2)),
 }
 
 
@@ -72,7 +72,7 @@ def test_vmap_pmap_and_shard_map_give_the_same_updates_and_states(name):
 
 def test_vmap_simulates_32_workers_on_one_device_with_nothing_lost():
   workers = 32
-  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=2)
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(2))
   rng = np.random.default_rng(1)
   grads = random_grads(PARAMS, workers, rng)
   state = jax.vmap(lambda _: tx.init(PARAMS), axis_name="data")(jnp.arange(workers))
@@ -90,7 +90,8 @@ def test_two_level_under_nested_vmap_matches_shard_map():
   rng = np.random.default_rng(2)
   steps = [{k: rng.standard_normal((nodes * local,) + v.shape).astype(np.float32)
             for k, v in PARAMS.items()} for _ in range(2)]
-  make = lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis, reuse_every=2)  # noqa: E731
+  make = lambda axis: dlgs_jax.dlgs(  # noqa: E731
+      0.1, axis_name=axis, thresholds=dlgs_jax.AdaptedReuse(2))
   tx = two_level(make, fast_axis="local", slow_axis="node", fast_size=local)
   mesh = jax.make_mesh((nodes, local), ("node", "local"), devices=jax.devices()[:4])
   state = dlgs_jax.init_per_worker(tx, PARAMS, mesh)

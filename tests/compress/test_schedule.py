@@ -79,7 +79,6 @@ def test_inject_hyperparams_says_what_to_do():
   with pytest.raises(ValueError, match="density must be a Python number.*static_args.*"
                                        "density_schedule"):
     tx.init(PARAMS)
-  static = ("density", "reuse_every", "capacity_factor", "refresh_below", "candidates",
-            "min_ndim")
+  static = ("density", "capacity_factor")
   tx = optax.inject_hyperparams(dlgs_jax.dlgs, static_args=static)(density=0.1)
   assert isinstance(tx.init(PARAMS).inner_state, dlgs_jax.compress.state.DLGSState)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dlgs_jax
-from dlgs_jax.compress import engine, segmented, selection
+from dlgs_jax.compress import engine, rules, segmented, selection
 from dlgs_jax.profiling import programs
 from tests.helpers import random_grads, run_steps
 
@@ -51,7 +51,7 @@ def test_exact_thresholds_are_the_kth_largest_of_every_leaf(laid_out, density, z
 def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out, smalls):
   # The large values sit off the sample's stride, so its bound lets far more
   # than 2k values through: the whole-leaf bisection must take over. With a
-  # few leaves kept leaf by leaf each leaf takes selection.kth_largest_abs.
+  # few leaves kept leaf by leaf each leaf takes the sorted kernel (`_kth_by_sort`).
   size, k = 70000, 700
   x = np.random.default_rng(1).uniform(0.1, 0.2, size).astype(np.float32)
   x[1::STRIDE] = np.random.default_rng(2).uniform(1.0, 2.0, x[1::STRIDE].shape)
@@ -218,8 +218,9 @@ def test_the_transform_gives_the_same_updates_in_both_views(monkeypatch, candida
   results = []
   for laid_out in (False, True):
     monkeypatch.setattr(engine, "lay_out_by_default", lambda v=laid_out: v)
-    tx = dlgs_jax.dlgs(0.05, axis_name="data", reuse_every=3, candidates=candidates,
-                       refresh_below=refresh, groups=[["a", "b", "c"]])
+    rule = (dlgs_jax.FixedReuse(3) if refresh is None else dlgs_jax.RefreshReuse(3, refresh)
+            if candidates == 1 else dlgs_jax.AdaptedReuse(3, refresh, candidates))
+    tx = dlgs_jax.dlgs(0.05, axis_name="data", thresholds=rule, groups=[["a", "b", "c"]])
     results.append(run_steps(tx, params, steps, 2))
   for one, other in zip(jax.tree_util.tree_leaves(results[0]),
                         jax.tree_util.tree_leaves(results[1])):
@@ -232,13 +233,13 @@ def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
   """Selection batched over a group: one conditional (the group's refresh;
   large leaves add the sampled bound's fallback), for 3 leaves or 30, and no
   sort -- except for a few leaves kept leaf by leaf (CPU), whose exact
-  thresholds come from selection.kth_largest_abs leaf by leaf."""
+  thresholds come from the sorted kernel leaf by leaf."""
   monkeypatch.setattr(engine, "lay_out_by_default", lambda: laid_out)
   counts = []
   for leaves in (3, 30):
     params = {f"w{i:02d}": jnp.zeros((64, 40 + i)) for i in range(leaves)}
     layout = engine.make_layout(params, None, None, single_group=True)
-    select = engine.Selection("threshold", 0.01, refresh_below=0.5, candidates=7)
+    select = engine.Selection("threshold", 0.01, rule=rules.AdaptedReuse())
     select_fn = lambda g, t, r, layout=layout: engine.select_threshold(select, layout, g, t, r)
     counts.append(programs.program_counts(select_fn, jax.tree_util.tree_leaves(params),
                                           [jnp.zeros(())] * leaves, jnp.bool_(False)))
@@ -255,7 +256,7 @@ def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
 
 def test_nonfinite_values_do_not_stall_the_batched_selection():
   params = {"a": jnp.zeros((300, 130)), "b": jnp.zeros((50,))}
-  tx = dlgs_jax.dlgs(0.05, axis_name="data", candidates=7, groups=[["a", "b"]])
+  tx = dlgs_jax.dlgs(0.05, axis_name="data", groups=[["a", "b"]])
   rng = np.random.default_rng(8)
   good = random_grads(params, 2, rng)
   bad = jax.tree_util.tree_map(lambda x: x.copy(), good)
@@ -282,10 +283,62 @@ def test_a_groups_program_holds_its_table_of_leaf_numbers_once(monkeypatch, laid
   monkeypatch.setattr(engine, "lay_out_by_default", lambda: laid_out)
   params = {f"w{i:02d}": jnp.zeros((64, 40 + i)) for i in range(30)}
   layout = engine.make_layout(params, None, None, single_group=True)
-  select = engine.Selection("threshold", 0.01, refresh_below=0.5, candidates=7)
+  select = engine.Selection("threshold", 0.01, rule=rules.AdaptedReuse())
   words = segmented.segments_of(layout.sizes).num_words
   text = jax.jit(lambda g, t, r: engine.select_threshold(select, layout, g, t, r)).lower(
       jax.tree_util.tree_leaves(params), [jnp.zeros(())] * 30, jnp.bool_(False)).as_text()
   tables = [line for line in text.splitlines()
             if "constant" in line and f"tensor<{words}xi32>" in line.split("=")[-1]]
   assert len(tables) == 1, tables
+
+
+# One leaf kept as it is (DGC, a few leaves on CPU): the sorted kernel.
+def test_exact_threshold_of_one_leaf_matches_numpy():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((17, 9)).astype(np.float32)
+  for k in (1, 5, 100, x.size):
+    got = jax.jit(segmented.exact_threshold, static_argnums=1)(x, k)
+    assert float(got) == np.sort(np.abs(x).ravel())[::-1][k - 1]
+
+
+def test_threshold_at_exact_kth_selects_exactly_k():
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal(1000).astype(np.float32)
+  k = 37
+  h = segmented.exact_threshold(jnp.asarray(x), k)
+  got, passed = jax.jit(selection.threshold_indices, static_argnums=2)(x, h, k)
+  assert int(passed) == k
+  assert set(np.asarray(got)) == set(np.argsort(-np.abs(x))[:k])
+
+
+@pytest.mark.parametrize("size,k", [(600_000, 6000), (600_000, 1), (700_001, 7000), (600_000, 60_000),
+                                    (33_000, 330), (40_000, 1), (100_003, 10_001)])
+def test_sampled_kth_largest_is_exact_on_large_inputs(size, k):
+  rng = np.random.default_rng(size + k)
+  x = rng.standard_normal(size).astype(np.float32)
+  want = np.sort(np.abs(x))[::-1][k - 1]
+  assert float(jax.jit(segmented.exact_threshold, static_argnums=1)(x, k)) == want
+
+
+def test_sampled_kth_largest_falls_back_when_estimate_misses():
+  # Fewer nonzeros than k: the buffer path finds fewer than k candidates and
+  # the full sort must answer (the k-th largest is 0).
+  x = np.zeros(800_000, np.float32)
+  x[::8000] = np.arange(1, 101)
+  assert float(jax.jit(segmented.exact_threshold, static_argnums=1)(x, 150)) == 0.0
+  z = np.zeros(50_000, np.float32)  # the same on a leaf just above the sampling size
+  z[::1000] = np.arange(1, 51)
+  assert float(jax.jit(segmented.exact_threshold, static_argnums=1)(z, 100)) == 0.0
+  # Heavy ties: many more than 4k values equal the k-th largest.
+  y = np.ones(600_000, np.float32)
+  y[:10] = 5.0
+  assert float(jax.jit(segmented.exact_threshold, static_argnums=1)(y, 5000)) == 1.0
+
+
+def test_exact_threshold_is_exact_on_a_head_whose_classes_differ_in_scale():
+  rng = np.random.default_rng(0)
+  scale = np.where(np.arange(1000) % 125 == 0, 0.01, 1.0).astype(np.float32)
+  x = (rng.standard_normal((2048, 1000)).astype(np.float32) * scale)
+  k = 20480
+  got = jax.jit(segmented.exact_threshold, static_argnums=1)(jnp.asarray(x), k)
+  assert float(got) == float(np.sort(np.abs(x).reshape(-1))[-k])

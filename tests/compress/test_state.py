@@ -53,18 +53,20 @@ def test_the_running_total_carries_past_32_bits_and_skips_add_nothing():
 def test_every_compressor_of_a_chain_is_reported():
   labels = {"conv": {"kernel": "sparse", "bias": "sparse"},
             "head": {"kernel": "dense", "bias": "dense"}}
-  tx = optax.multi_transform({"sparse": dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=1),
+  tx = optax.multi_transform({"sparse": dlgs_jax.dlgs(0.1, axis_name="data",
+                                                      thresholds=dlgs_jax.AdaptedReuse(1)),
                               "dense": dlgs_jax.dense(axis_name="data")}, labels)
   rng = np.random.default_rng(1)
   _, final, _ = run_steps(tx, PARAMS, [random_grads(PARAMS, W, rng) for _ in range(2)], W)
   report = dlgs_jax.comm_report(final)
   assert len(report) == 2
   by_kind = {("dense" if "'dense'" in path else "sparse"): entry for path, entry in report.items()}
-  # One message per leaf, latest layer first (no order given: reverse flatten order).
+  # Dense: one message per leaf; DLGS: one bucket. Latest layer first (no
+  # order given: reverse flatten order).
   assert [g["paths"] for g in by_kind["dense"]["groups"]] == [["head/kernel"], ["head/bias"]]
   assert by_kind["dense"]["groups"][0]["selected"] == 160
-  assert [g["paths"] for g in by_kind["sparse"]["groups"]] == [["conv/kernel"], ["conv/bias"]]
-  assert by_kind["sparse"]["groups"][0]["selected"] == 8  # ceil(0.1 * 72)
+  assert [g["paths"] for g in by_kind["sparse"]["groups"]] == [["conv/kernel", "conv/bias"]]
+  assert by_kind["sparse"]["groups"][0]["selected"] == 8 + 1  # ceil(0.1 * 72) + ceil(0.1 * 8)
   dense_step = dlgs_jax.compress.wire.allreduce_bytes(10, W) + dlgs_jax.compress.wire.allreduce_bytes(160, W)
   assert by_kind["dense"]["total_sent"] == round(2 * dense_step)
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import dlgs_jax
-from dlgs_jax.compress import engine, grouping
+from dlgs_jax.compress import grouping, rules
 from dlgs_jax.workload import parallel
 from tests.helpers import flat, flat_workers, random_grads, run_steps
 
@@ -23,12 +23,12 @@ W = 8
 
 def methods(density, **kw):
   return {
-      "dlgs": dlgs_jax.dlgs(density, axis_name="data", reuse_every=3, **kw),
+      "dlgs": dlgs_jax.dlgs(density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), **kw),
       "dlgs_grouped": dlgs_jax.dlgs(
-          density, axis_name="data", reuse_every=3, order=ORDER,
+          density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), order=ORDER,
           groups=[ORDER[:2], ORDER[2:]], **kw),
       "dlgs_adapted": dlgs_jax.dlgs(
-          density, axis_name="data", reuse_every=3, order=ORDER, candidates=7,
+          density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), order=ORDER,
           groups=[ORDER[:3], ORDER[3:]], **kw),
       "dlgs_gtopk": dlgs_jax.dlgs(
           density, axis_name="data", collective="gtopk", groups=[ORDER[:3], ORDER[3:]],
@@ -106,7 +106,8 @@ def count_collectives(tx, primitive):
 
 
 @pytest.mark.parametrize("groups,expected", [
-    (None, 4), ([ORDER[:2], ORDER[2:]], 2), ([ORDER], 1)])
+    ([[p] for p in ORDER], 4), ([ORDER[:2], ORDER[2:]], 2), ([ORDER], 1),
+    (None, 1)])  # the default: one bucket for these small leaves
 def test_one_collective_per_group(groups, expected):
   tx = dlgs_jax.dlgs(0.1, axis_name="data", groups=groups, order=ORDER)
   assert count_collectives(tx, "all_gather") == expected
@@ -120,7 +121,7 @@ def test_one_collective_per_group(groups, expected):
 
 def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
   reuse = 3
-  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=reuse, refresh_below=None)
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(reuse))
   rng = np.random.default_rng(3)
   steps = [random_grads(PARAMS, W, rng) for _ in range(7)]
   _, _, states = run_steps(tx, PARAMS, steps, W)
@@ -149,7 +150,7 @@ def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
 
 
 def test_dlgs_reused_threshold_respects_capacity_and_counts_overflow():
-  tx = dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=100, refresh_below=None)
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(100))
   rng = np.random.default_rng(4)
   first = random_grads(PARAMS, W, rng)
   # Larger later gradients pass the stale threshold far more often than k.
@@ -169,8 +170,8 @@ def test_dlgs_refreshes_a_reused_threshold_only_when_its_count_leaves_the_band()
   # exactly when the count under the old H_l is within [ceil(0.5 k),
   # capacity], and take the exact k-th largest |g| otherwise.
   density, reuse = 0.1, 100
-  tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=reuse, refresh_below=0.5,
-                     candidates=1)
+  tx = dlgs_jax.dlgs(density, axis_name="data", thresholds=dlgs_jax.RefreshReuse(reuse),
+                     groups=[[p] for p in ORDER], order=ORDER)
   rng = np.random.default_rng(8)
   scales = [1.0, 1.0, 0.01, 1.0, 30.0, 1.0, 1.0]
   steps = [random_grads(PARAMS, W, rng, scale=s) for s in scales]
@@ -216,13 +217,14 @@ def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
   # adds up.
   density = 0.1
   groups = [ORDER[:2], ORDER[2:]]
-  tx = dlgs_jax.dlgs(density, axis_name="data", reuse_every=100, order=ORDER, groups=groups,
-                     candidates=candidates)
+  rule = (dlgs_jax.RefreshReuse(100) if candidates == 1
+          else dlgs_jax.AdaptedReuse(100, candidates=candidates))
+  tx = dlgs_jax.dlgs(density, axis_name="data", thresholds=rule, order=ORDER, groups=groups)
   rng = np.random.default_rng(11)
   steps = [random_grads(PARAMS, W, rng, scale=s) for s in (1.0, 1.0, 0.01, 1.0, 30.0, 1.0)]
   _, _, states = run_steps(tx, PARAMS, steps, W)
   paths = grouping.leaf_paths(PARAMS)
-  factors = engine.candidate_factors(candidates)
+  factors = rule.factors() if candidates > 1 else np.ones(1, np.float32)
   residual = [np.zeros_like(x) for x in jax.tree_util.tree_leaves(steps[0])]
   previous, seen = None, set()
   for step, (grads, state) in enumerate(zip(steps, states)):
@@ -236,7 +238,7 @@ def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
         exact = [np.sort(np.abs(accumulated[i][w]).ravel())[::-1][k - 1]
                  for i, k in zip(leaves, ks)]
         got = [thresholds[i][w] for i in leaves]
-        few = [candidates > 1 and k < engine.ALWAYS_EXACT_BELOW_K for k in ks]
+        few = [candidates > 1 and k < rules.AdaptedReuse().exact_below_k for k in ks]
         assert all(g == e for g, e, f in zip(got, exact, few) if f), (step, w, group)
         if got == exact:
           exact_leaves += len(leaves)
@@ -305,8 +307,8 @@ def test_lags_matches_numpy_reference_over_steps():
 
 
 @pytest.mark.parametrize("make", [
-    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, refresh_below=None, **kw),
-    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=2, refresh_below=None,
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(3), **kw),
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(2),
                                capacity_factor=1.5, **kw),
     lambda **kw: dlgs_jax.lags(0.2, axis_name="data", **kw),
 ])
@@ -326,20 +328,26 @@ def test_layer_wise_methods_send_the_same_grouped_or_not(make):
 
 HEAD = ["dense/bias", "dense/kernel"]
 BIASES = ["conv/bias", "dense/bias"]
+# The same leaves as optax-style masks: a callable and a tree of bools.
+VECTORS = lambda p: jax.tree_util.tree_map(lambda x: x.ndim < 2, p)  # noqa: E731
+HEAD_MASK = {"conv": {"bias": False, "kernel": False}, "dense": {"bias": True, "kernel": True}}
 
 
 @pytest.mark.parametrize("make,whole", [
-    (lambda: dlgs_jax.lags(0.2, axis_name="data", min_ndim=2), BIASES),
-    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1, min_ndim=2), BIASES),
-    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, min_ndim=2, order=ORDER,
-                           groups=[ORDER[:2], ORDER[2:]]), BIASES),
+    (lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=VECTORS), BIASES),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(1),
+                           send_whole=VECTORS), BIASES),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3),
+                           send_whole=VECTORS, order=ORDER, groups=[ORDER[:2], ORDER[2:]]), BIASES),
     (lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=HEAD), HEAD),
-    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD), HEAD),
-    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=3, send_whole=HEAD, order=ORDER,
-                           groups=[ORDER[:3], ORDER[3:]]), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3),
+                           send_whole=HEAD), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3),
+                           send_whole=HEAD, order=ORDER, groups=[ORDER[:3], ORDER[3:]]), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", send_whole=HEAD_MASK), HEAD),
 ])
 def test_leaves_sent_whole_arrive_exact_and_the_rest_stays_sparse(make, whole):
-  """min_ndim / send_whole leaves: the exact mean, no residual; nothing lost overall."""
+  """Leaves the mask sends whole: the exact mean, no residual; nothing lost overall."""
   rng = np.random.default_rng(16)
   steps = [random_grads(PARAMS, W, rng) for _ in range(4)]
   updates, _, states = run_steps(make(), PARAMS, steps, W)
@@ -365,7 +373,7 @@ def test_leaves_sent_whole_arrive_exact_and_the_rest_stays_sparse(make, whole):
 
 
 @pytest.mark.parametrize("kwargs,whole", [
-    ({"min_ndim": 2}, BIASES), ({"send_whole": ["dense/kernel"]}, ["dense/kernel"])])
+    ({"send_whole": VECTORS}, BIASES), ({"send_whole": ["dense/kernel"]}, ["dense/kernel"])])
 def test_lags_with_whole_leaves_matches_numpy_reference(kwargs, whole):
   tx = dlgs_jax.lags(0.2, axis_name="data", **kwargs)
   rng = np.random.default_rng(17)
@@ -390,23 +398,34 @@ def test_send_whole_unknown_path_raises_at_init(factory):
     factory(0.1, send_whole=["dense/kernl"]).init(PARAMS)
 
 
-@pytest.mark.parametrize("send_whole", ["dense/kernel", [3], None])
-def test_send_whole_must_be_a_list_of_paths(send_whole):
+@pytest.mark.parametrize("send_whole", ["dense/kernel", [3], {"dense": 1.0}])
+def test_send_whole_must_be_a_mask_or_paths(send_whole):
   with pytest.raises(ValueError, match="send_whole"):
     dlgs_jax.dlgs(0.1, send_whole=send_whole)
+
+
+@pytest.mark.parametrize("send_whole,match", [
+    ({"dense": {"bias": True, "kernel": True}}, "not shaped like the parameters"),
+    (lambda p: p["dense"], "not shaped like the parameters"),
+    (lambda p: jax.tree_util.tree_map(lambda x: jnp.any(x > 0), p), "Python bools"),
+])
+def test_a_mask_that_does_not_fit_the_tree_is_refused_at_init(send_whole, match):
+  with pytest.raises(ValueError, match=match):
+    dlgs_jax.dlgs(0.1, send_whole=send_whole).init(PARAMS)
 
 
 def test_dlgs_with_reuse_one_equals_lags():
   rng = np.random.default_rng(7)
   steps = [random_grads(PARAMS, W, rng) for _ in range(3)]
-  a, _, _ = run_steps(dlgs_jax.dlgs(0.2, axis_name="data", reuse_every=1), PARAMS, steps, W)
+  tx = dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(1))
+  a, _, _ = run_steps(tx, PARAMS, steps, W)
   b, _, _ = run_steps(dlgs_jax.lags(0.2, axis_name="data"), PARAMS, steps, W)
   for x, y in zip(a, b):
     np.testing.assert_allclose(flat_workers(x), flat_workers(y), rtol=1e-6, atol=1e-7)
 
 
 def test_single_worker_axis_none():
-  tx = dlgs_jax.dlgs(0.1, reuse_every=2)
+  tx = dlgs_jax.dlgs(0.1, thresholds=dlgs_jax.AdaptedReuse(2))
   rng = np.random.default_rng(8)
   g = jax.tree_util.tree_map(lambda x: x[0], random_grads(PARAMS, 1, rng))
   state = tx.init(PARAMS)
@@ -499,17 +518,10 @@ def test_composes_with_optax_and_trains(make):
 @pytest.mark.parametrize("kwargs,match", [
     ({"density": 0.0}, "density"), ({"density": 1.5}, "density"),
     ({"density": float("nan")}, "density"), ({"density": "0.1"}, "density"),
-    ({"density": 0.1, "reuse_every": 0}, "reuse_every"),
-    ({"density": 0.1, "reuse_every": 2.5}, "reuse_every"),
     ({"density": 0.1, "collective": "ring"}, "ring"),
     ({"density": 0.1, "capacity_factor": 0.5}, "capacity_factor"),
-    ({"density": 0.1, "refresh_below": 1.5}, "refresh_below"),
-    ({"density": 0.1, "refresh_below": -0.1}, "refresh_below"),
-    ({"density": 0.1, "refresh_below": True}, "refresh_below"),
-    ({"density": 0.1, "min_ndim": -1}, "min_ndim"),
-    ({"density": 0.1, "min_ndim": 1.5}, "min_ndim"),
-    ({"density": 0.1, "candidates": 0}, "candidates must be an integer in \\[1, 16\\], got 0"),
-    ({"density": 0.1, "candidates": 17}, "candidates"),
+    ({"density": 0.1, "thresholds": 10}, "thresholds=10 is not a threshold rule"),
+    ({"density": 0.1, "thresholds": "paper"}, "FixedReuse"),
     ({"density": 0.1, "groups": "dense/bias"}, "dense/bias"),
 ])
 def test_bad_arguments_raise(kwargs, match):
@@ -606,9 +618,11 @@ def _collective_dependencies(jaxpr, in_deps, found, control=frozenset()):
 
 
 PIPELINED = {
-    "dlgs": lambda: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, order=ORDER,
+    "dlgs": lambda: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3),
+                                  order=ORDER,
                                   groups=[ORDER[:2], ORDER[2:]]),
-    "lags": lambda: dlgs_jax.lags(0.1, axis_name="data", order=ORDER),
+    "lags": lambda: dlgs_jax.lags(0.1, axis_name="data", order=ORDER,
+                                  groups=[[p] for p in ORDER]),
     "dense": lambda: dlgs_jax.dense(axis_name="data", order=ORDER,
                                     groups=[ORDER[:2], ORDER[2:]]),
 }
@@ -681,7 +695,7 @@ def test_residual_dtype_must_be_floating():
 
 
 @pytest.mark.parametrize("make", [
-    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", reuse_every=3, **kw),
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), **kw),
     lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", order=ORDER,
                                groups=[ORDER[:2], ORDER[2:]], **kw),
     lambda **kw: dlgs_jax.lags(0.1, axis_name="data", **kw),

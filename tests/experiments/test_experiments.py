@@ -538,16 +538,29 @@ def test_bench_sparsify_times_a_warmed_schedule_period_on_fresh_gradients():
   period = bench.step_gradients(params, 4)
   assert len(period) == 4
   assert not np.array_equal(np.asarray(period[0]["w"]), np.asarray(period[1]["w"]))
-  for refresh_below in (None, 0.5):
-    tx = dlgs_jax.dlgs(0.1, reuse_every=4, refresh_below=refresh_below)
+  for rule in (dlgs_jax.FixedReuse(4), dlgs_jax.AdaptedReuse(4)):
+    tx = dlgs_jax.dlgs(0.1, thresholds=rule)
     run, exact = bench.schedule_period(tx, period, warm_periods=2)
     # The same state and gradients by hand: two periods, then the timed one.
     state, update = tx.init(period[0]), None
     for grads in period * 3:
       update, state = tx.update(grads, state)
     np.testing.assert_allclose(np.asarray(run()["w"]), np.asarray(update["w"]), rtol=1e-6)
-    if refresh_below is None:
+    if isinstance(rule, dlgs_jax.FixedReuse):
       assert exact == 2 / 4  # both leaves exact on the period's first step only
     else:
       # b (k = 7) is exact on every step, w at least on the schedule's step.
       assert 1 + 1 / 4 <= exact <= 2
+
+
+def test_the_default_grouping_keeps_an_updates_conditionals_as_leaves_grow():
+  # One bucket of small leaves: the same conditionals at 8 and 32 leaves;
+  # one group per leaf: more with every leaf.
+  rows = load("bench_sparsify").grouping_counts((8, 32))
+  by = {(r["leaves"], r["transform"]): r for r in rows}
+  assert by[8, "dlgs"]["groups"] == by[32, "dlgs"]["groups"] == 1
+  assert by[8, "dlgs"]["conditionals"] == by[32, "dlgs"]["conditionals"]
+  assert by[32, "dlgs per leaf"]["groups"] == 32
+  assert by[32, "dlgs per leaf"]["conditionals"] > 3 * by[8, "dlgs"]["conditionals"]
+  assert by[8, "lags"]["kernels"] <= by[32, "lags"]["kernels"] < by[32, "lags per leaf"]["kernels"]
+

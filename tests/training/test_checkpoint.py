@@ -17,7 +17,7 @@ RUN = {"model.name": "smallcnn", "method.name": "dlgs", "method.density": 0.05, 
 def trained_state(steps=2, workers=4):
   mesh = parallel.data_mesh(workers)
   model, _ = models.create_model("smallcnn")
-  tx = optax.chain(dlgs_jax.dlgs(0.05, axis_name="data", reuse_every=3),
+  tx = optax.chain(dlgs_jax.dlgs(0.05, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3)),
                    optax.sgd(0.05, momentum=0.9))
   train, _ = data.load_embedded_cifar10()
   state = training.init_train_state(model, tx, train.images[:1], mesh, seed=0)
