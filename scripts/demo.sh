@@ -4,5 +4,5 @@
 # `python -m dlgs_jax.cli.demo` (see --help; any dlgs-train flag overrides the preset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh train
 exec .venv/bin/python -m dlgs_jax.cli.demo "$@"

@@ -48,7 +48,8 @@ def slice_shape(shape, fast_size: int) -> tuple:
   """Shape of one device's slice of a leaf: its dimensions kept, the last one ``ceil(n/L)``.
 
   The leading dimensions become 1, so a method that treats leaves by their
-  number of dimensions (``min_ndim``) treats the slice as it would the leaf.
+  number of dimensions (DGC's ``min_ndim``, a ``send_whole`` mask on ``x.ndim``) treats
+  the slice as it would the leaf.
   """
   size = math.prod(shape)
   if not shape:

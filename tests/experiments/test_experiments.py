@@ -336,7 +336,7 @@ def test_accuracy_trains_a_name_with_2l_in_two_levels_and_counts_its_slices_k(tm
   # One group at density 0.01, adapted: the leaves of k < 16 are exact on
   # every step; a step that counts only them has recomputed their values only.
   ks = [accuracy.num_to_keep(0.01, n) for n in sizes]
-  few = [k < accuracy.ALWAYS_EXACT_BELOW_K for k in ks]
+  few = [k < accuracy.AdaptedReuse().exact_below_k for k in ks]
   steps = [{"selected": 1, "exact": len(sizes)}, {"selected": 1, "exact": sum(few)}]
   one = accuracy.threshold_stats(steps, "resnet20", 0.01, one_group=True, few_exact=True)
   few_values = sum(n for n, f in zip(sizes, few) if f) / sum(sizes)
@@ -555,12 +555,14 @@ def test_bench_sparsify_times_a_warmed_schedule_period_on_fresh_gradients():
 
 def test_the_default_grouping_keeps_an_updates_conditionals_as_leaves_grow():
   # One bucket of small leaves: the same conditionals at 8 and 32 leaves;
-  # one group per leaf: more with every leaf.
+  # one group per leaf: more with every leaf. (LAGS's top-k stays per leaf
+  # either way; bucketing merges its messages.)
   rows = load("bench_sparsify").grouping_counts((8, 32))
   by = {(r["leaves"], r["transform"]): r for r in rows}
   assert by[8, "dlgs"]["groups"] == by[32, "dlgs"]["groups"] == 1
   assert by[8, "dlgs"]["conditionals"] == by[32, "dlgs"]["conditionals"]
   assert by[32, "dlgs per leaf"]["groups"] == 32
   assert by[32, "dlgs per leaf"]["conditionals"] > 3 * by[8, "dlgs"]["conditionals"]
-  assert by[8, "lags"]["kernels"] <= by[32, "lags"]["kernels"] < by[32, "lags per leaf"]["kernels"]
+  assert (by[32, "lags"]["groups"], by[32, "lags per leaf"]["groups"]) == (1, 32)
+  assert by[32, "lags"]["top_k"] == by[32, "lags per leaf"]["top_k"] == 32
 

@@ -32,15 +32,20 @@ def test_a_plain_program_has_no_conditionals_sorts_or_loops():
   assert counts["kernels"] >= 1
 
 
-def test_dlgs_conditionals_grow_with_its_leaves_and_lags_has_one_top_k_per_leaf():
+def test_dlgs_conditionals_grow_with_its_groups_and_lags_has_one_top_k_per_leaf():
   """What bench_sparsify reports for the transforms today (one worker, no collectives)."""
   def params(leaves):
     return {f"w{i}": jnp.ones((64, 64)) for i in range(leaves)}
 
-  counts = {}
+  counts, bucketed = {}, {}
   for leaves in (2, 4):
-    tx = dlgs_jax.dlgs(0.01)
-    counts[leaves] = programs.program_counts(tx.update, params(leaves), tx.init(params(leaves)))
+    per_leaf = dlgs_jax.dlgs(0.01, groups=[[f"w{i}"] for i in range(leaves)])
+    counts[leaves] = programs.program_counts(per_leaf.update, params(leaves),
+                                             per_leaf.init(params(leaves)))
+    default = dlgs_jax.dlgs(0.01)  # one bucket
+    bucketed[leaves] = programs.program_counts(default.update, params(leaves),
+                                               default.init(params(leaves)))
   assert counts[4]["conditionals"] > counts[2]["conditionals"] > 0
+  assert bucketed[4]["conditionals"] == bucketed[2]["conditionals"] > 0
   lags = dlgs_jax.lags(0.01)
   assert programs.program_counts(lags.update, params(4), lags.init(params(4)))["top_k"] == 4
