@@ -199,7 +199,10 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01) -> list[dict]:
 
   A model of `n` leaves (3x3x32x32 kernels and their biases); each transform
   with its default grouping (`grouping.size_buckets`) and, for comparison,
-  with one group per leaf. Compiled for this backend, not timed.
+  with one group per leaf. Compiled for this backend, not timed. On CPU DLGS
+  keeps a group's leaves as they are (`engine.lay_out_by_default`), so its
+  kernels grow with the leaves there; "dlgs laid out" compiles the view an
+  accelerator takes, one buffer per group.
   """
   rows = []
   for n in leaf_counts:
@@ -214,7 +217,19 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01) -> list[dict]:
       counts = programs.program_counts(tx.update, params, state)
       rows.append({"leaves": n, "transform": name, "groups": len(state.stats.groups),
                    **counts})
+    rows.append({"leaves": n, "transform": "dlgs laid out", "groups": 1,
+                 **_laid_out_counts(dlgs_jax.dlgs(density), params)})
   return rows
+
+
+def _laid_out_counts(tx, params) -> dict:
+  """`programs.program_counts` of ``tx.update`` with every group laid out in one buffer."""
+  default = engine.lay_out_by_default
+  engine.lay_out_by_default = lambda: True
+  try:
+    return programs.program_counts(tx.update, params, tx.init(params))
+  finally:
+    engine.lay_out_by_default = default
 
 
 def format_grouping(rows) -> str:
@@ -256,8 +271,9 @@ def format_table(rows, with_updates):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", nargs="+", default=["resnet20", "vgg16", "resnet50"],
-                      choices=sorted(models.MODELS))
+  parser.add_argument("--models", nargs="*", default=["resnet20", "vgg16", "resnet50"],
+                      choices=sorted(models.MODELS),
+                      help="models to time (none: only --leaf-counts)")
   parser.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.01])
   parser.add_argument("--reuse-every", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=7)
