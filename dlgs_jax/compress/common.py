@@ -8,6 +8,7 @@ only. `as_varying` gives both results the types shard_map's checks expect.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Sequence
 
@@ -292,7 +293,10 @@ def check_axis_name(axis_name):
 
 def is_passive(leaf) -> bool:
   """Leaves no transform communicates: integer and boolean leaves, and empty ones."""
-  return not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) or jnp.size(leaf) == 0
+  # The shape's product, not jnp.size: shape structs (`jax.eval_shape`, compiling
+  # ahead of time) are leaves too, and jnp.size refuses them in newer JAX.
+  return (not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+          or math.prod(np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape) == 0)
 
 
 def with_passive_leaves(tx: optax.GradientTransformation,

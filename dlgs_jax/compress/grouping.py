@@ -32,11 +32,11 @@ def backward_order(
 
   Traces ``jax.grad(loss_fn)(params, *args, **kwargs)`` to a jaxpr and ranks
   each gradient by the position of the equation that produces it (descending
-  into nested jaxprs such as `jit`-ed sub-functions). Nothing is executed.
+  into nested jaxprs such as jitted sub-functions). Nothing is executed.
 
   Args:
     loss_fn: scalar function whose first argument is `params`.
-    params: the parameter tree (arrays or `jax.ShapeDtypeStruct`s).
+    params: the parameter tree (arrays or `jax.ShapeDtypeStruct` shapes).
     *args: further arguments of `loss_fn` (a batch, a model state, ...): pytrees
       of arrays.
     has_aux: `loss_fn` returns ``(loss, anything)`` (as for ``jax.grad``), e.g.

@@ -180,9 +180,10 @@ def comm_report(opt_state: Any) -> dict[str, dict]:
       with or without a leading worker axis on this library's states.
 
   Returns:
-    ``{state path: {"bytes_sent", "bytes_received", "total_sent", "skipped",
-    "groups": [{"paths", "selected", "passed"}, ...]}}``: per step and total
-    numbers averaged over workers when there is a worker axis.
+    A dict from each state's path to its numbers: ``bytes_sent``,
+    ``bytes_received``, ``total_sent``, ``skipped`` and ``groups`` (a list of
+    dicts with ``paths``, ``selected`` and ``passed``); per step and total,
+    averaged over workers when there is a worker axis.
   """
   report = {}
   for path, stats in comm_stats_by_path(opt_state).items():

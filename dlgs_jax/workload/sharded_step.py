@@ -89,7 +89,7 @@ def data_parallel(
   the loss, and ``module(state)`` gives back the trained module. An
   ``nnx.Optimizer`` owns its update, so it has no place here: put its optax
   transformation after the compressor in `tx` (e.g.
-  ``optax.chain(dlgs_jax.dlgs(0.01, axis_name="data"), optax.adamw(1e-3))``).
+  ``optax.chain(dlgs_jax.dlgs(0.01, axis_name="data"), optax.adamw(1e-3))``)::
 
     model = MLP(nnx.Rngs(0))
     dp = dlgs_jax.data_parallel(lambda m, b: loss(m(b[0]), b[1]), tx, mesh)

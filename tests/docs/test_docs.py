@@ -1,0 +1,44 @@
+"""The documentation site builds with no warning, its examples executed."""
+import html
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dlgs_jax
+from tests.helpers import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+  out = tmp_path_factory.mktemp("site")
+  done = subprocess.run(
+      [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+       "-d", str(out / "doctrees"), str(ROOT / "docs"), str(out / "html")],
+      env=child_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return out / "html"
+
+
+@pytest.mark.slow
+def test_the_quickstart_page_shows_its_code_and_what_it_printed(site):
+  # The text a reader sees: highlighting splits code into spans.
+  page = html.unescape(re.sub(r"<[^>]+>", "", (site / "getting_started.html").read_text()))
+  assert "dlgs_jax.data_parallel(loss_fn, tx, mesh)" in page
+  # The outputs come from running the page: three loss lines and the comparison.
+  losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", page)]
+  assert len(losses) == 4 and losses[-1] < losses[0], losses
+  ratio = re.search(r"DLGS (\d+) \((\d+)x less\)", page)
+  assert ratio and int(ratio.group(2)) > 10
+
+
+@pytest.mark.slow
+def test_the_api_reference_has_a_page_for_every_public_name(site):
+  api = (site / "api.html").read_text()
+  for name in dlgs_jax.__all__:
+    assert f"dlgs_jax.{name}" in api, name
+    assert (site / "_autosummary" / f"dlgs_jax.{name}.html").exists(), name
