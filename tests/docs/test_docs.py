@@ -1,6 +1,7 @@
 """The documentation site builds with no warning, its examples executed."""
 import html
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,29 @@ def test_the_api_reference_has_a_page_for_every_public_name(site):
   for name in dlgs_jax.__all__:
     assert f"dlgs_jax.{name}" in api, name
     assert (site / "_autosummary" / f"dlgs_jax.{name}.html").exists(), name
+
+
+def _browser() -> str:
+  for name in ("chromium", "chromium-browser", "google-chrome"):
+    found = shutil.which(name)
+    if found:
+      return found
+  pytest.skip("no Chromium: scripts/setup_env.sh test installs it (as root, with apt-get)")
+
+
+@pytest.mark.slow
+def test_a_headless_browser_renders_the_quickstart_with_its_output(site, tmp_path):
+  browser = _browser()
+  page = (site / "getting_started.html").as_uri()
+  flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           f"--user-data-dir={tmp_path / 'profile'}"]
+  dom = subprocess.run([browser, *flags, "--dump-dom", page], capture_output=True, text=True,
+                       timeout=120)
+  assert dom.returncode == 0, dom.stderr[-2000:]
+  text = html.unescape(re.sub(r"<[^>]+>", "", dom.stdout))
+  assert "Getting started" in text and "data_parallel(loss_fn, tx, mesh)" in text
+  assert re.search(r"step 299\s+loss \d\.\d+", text), text[-2000:]
+  shot = tmp_path / "quickstart.png"
+  done = subprocess.run([browser, *flags, "--window-size=1200,2000", f"--screenshot={shot}",
+                         page], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0 and shot.stat().st_size > 10_000, done.stderr[-2000:]
