@@ -109,6 +109,8 @@ def check_whole(whole):
   """
   if whole is None or callable(whole):
     return whole
+  if isinstance(whole, (list, tuple)) and not whole:
+    return None  # no leaf, as None
   if isinstance(whole, (str, bytes)):
     raise ValueError(f"send_whole={whole!r} is a single string: pass a list of leaf paths, "
                      f"e.g. [{whole!r}]")

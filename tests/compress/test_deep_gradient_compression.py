@@ -112,6 +112,7 @@ def test_warmup_buffers_shrink_with_the_density():
     assert np.all(states[t].stats.selected[:, 1] >= math.ceil(0.8 * k))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warmup_steps, reached", [
     (1, [0, 4]), (3, [0, 1, 2, 4]), (4, [0, 1, 2, 3, 4]), (8, [0, 1, 2, 3, 4])])
 def test_a_short_warmup_builds_only_the_stages_its_steps_reach(warmup_steps, reached):
@@ -180,6 +181,7 @@ def test_skip_and_bad_arguments():
       dgc_lib.dgc(0.01, **kwargs)
 
 
+@pytest.mark.slow
 def test_velocity_and_residuals_stay_float32_for_bfloat16_parameters_unless_told():
   params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), PARAMS)
   rng = np.random.default_rng(7)

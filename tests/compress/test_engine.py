@@ -63,6 +63,7 @@ def adapted_reference(x, previous, k, candidates, refresh_below):
   return previous * (factors[lo] + part * (factors[lo + 1] - factors[lo]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("laid_out", [False, True])
 def test_adapted_thresholds_and_the_group_rule_match_numpy(laid_out):
   # The previous thresholds are exact for another draw; this step's values are

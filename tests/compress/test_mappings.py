@@ -52,6 +52,7 @@ def assert_same(a, b):
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_vmap_pmap_and_shard_map_give_the_same_updates_and_states(name):
   rng = np.random.default_rng(0)
@@ -85,6 +86,7 @@ def test_vmap_simulates_32_workers_on_one_device_with_nothing_lost():
                                np.asarray(g).sum(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_level_under_nested_vmap_matches_shard_map():
   nodes, local = 2, 2
   rng = np.random.default_rng(2)

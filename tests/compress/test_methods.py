@@ -86,6 +86,7 @@ def test_send_whole_names_the_head_or_given_leaves_and_rejects_unknown_ones():
   assert MethodConfig("topk").whole_layers(order, shapes) == frozenset()
 
 
+@pytest.mark.slow
 def test_the_config_builds_the_method_it_describes():
   """dlgs with the head sent whole on one worker: the head whole, every other leaf its top k."""
   shapes = models.param_shapes("smallcnn")

@@ -65,6 +65,7 @@ def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out, smalls):
                                                                for v in small])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("laid_out", VIEWS)
 @pytest.mark.parametrize("nonzeros", [0, 300])
 def test_a_leaf_with_fewer_nonzeros_than_k_is_exact_without_the_fallback(
@@ -152,6 +153,7 @@ def test_an_output_layer_whose_classes_differ_in_scale_is_bounded_by_its_sample(
   np.testing.assert_array_equal(np.asarray(got), [kth_largest_np(x, k) for x in leaves])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("laid_out", VIEWS)
 def test_compaction_matches_the_leaf_by_leaf_selection(laid_out):
   rng = np.random.default_rng(4)
@@ -210,6 +212,7 @@ def test_bisection_with_fewer_bits_gives_a_close_lower_bound():
   assert exact * (1 - 2.0**-6) <= bound <= exact
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("candidates,refresh", [(1, 0.5), (7, 0.5), (1, None)])
 def test_the_transform_gives_the_same_updates_in_both_views(monkeypatch, candidates, refresh):
   params = {"a": jnp.zeros((40, 50)), "b": jnp.zeros((7,)), "c": jnp.zeros((300, 130))}
@@ -227,6 +230,7 @@ def test_the_transform_gives_the_same_updates_in_both_views(monkeypatch, candida
     np.testing.assert_array_equal(one, other)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("laid_out", VIEWS)
 def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
     monkeypatch, laid_out):

@@ -17,6 +17,7 @@ ORDER = ["head/bias", "head/kernel", "conv/bias", "conv/kernel"]
 W = 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make, groups", [
     (lambda: dlgs_jax.dlgs(0.1, axis_name="data", order=ORDER, groups=[ORDER[:2], ORDER[2:]]),
      [ORDER[:2], ORDER[2:]]),

@@ -306,6 +306,7 @@ def test_lags_matches_numpy_reference_over_steps():
     residual = state.residuals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [
     lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(3), **kw),
     lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(2),
@@ -402,6 +403,15 @@ def test_send_whole_unknown_path_raises_at_init(factory):
 def test_send_whole_must_be_a_mask_or_paths(send_whole):
   with pytest.raises(ValueError, match="send_whole"):
     dlgs_jax.dlgs(0.1, send_whole=send_whole)
+
+
+@pytest.mark.parametrize("none", [None, [], ()])
+def test_an_empty_send_whole_sends_no_leaf_whole(none):
+  from dlgs_jax.compress import engine
+  whole = engine.check_whole(none)
+  assert whole is None
+  assert engine.make_layout(PARAMS, None, None, whole=whole).whole == (False,) * 4
+  dlgs_jax.lags(0.2, send_whole=none).init(PARAMS)  # accepted
 
 
 @pytest.mark.parametrize("send_whole,match", [
@@ -694,6 +704,7 @@ def test_residual_dtype_must_be_floating():
     dlgs_jax.dlgs(0.1, residual_dtype=jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [
     lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), **kw),
     lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", order=ORDER,

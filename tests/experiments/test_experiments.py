@@ -526,6 +526,7 @@ def test_compare_cluster_rejects_a_profile_it_cannot_use(flags, message):
   assert message in str(exc.value.code)
 
 
+@pytest.mark.slow
 def test_bench_sparsify_times_a_warmed_schedule_period_on_fresh_gradients():
   import jax
   import jax.numpy as jnp
@@ -553,6 +554,7 @@ def test_bench_sparsify_times_a_warmed_schedule_period_on_fresh_gradients():
       assert 1 + 1 / 4 <= exact <= 2
 
 
+@pytest.mark.slow
 def test_the_default_grouping_keeps_an_updates_conditionals_as_leaves_grow():
   # One bucket of small leaves: the same conditionals at 8 and 32 leaves;
   # one group per leaf: more with every leaf. (LAGS's top-k stays per leaf

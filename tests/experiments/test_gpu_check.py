@@ -63,6 +63,7 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   assert result["table"] in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpu_check_stops_starting_work_once_its_budget_is_spent(tmp_path):
   check = load("gpu_check")
   out = tmp_path / "check.json"

@@ -56,6 +56,7 @@ def test_network_comm_alpha_beta():
     network.network_comm(0, 1e9)
 
 
+@pytest.mark.slow
 def test_measure_compute_orders_layers_and_checks_the_total():
   model = models.ResNetCifar(depth=8)
   images = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32, 32, 3)), jnp.float32)
@@ -77,6 +78,7 @@ def test_measure_compute_orders_layers_and_checks_the_total():
   assert result["t_forward"] == pytest.approx(np.median(result["totals_raw"]["forward"]))
 
 
+@pytest.mark.slow
 def test_measure_compute_times_the_totals_on_the_train_steps_program():
   model = models.ResNetCifar(depth=8)
   images = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32, 32, 3)), jnp.float32)
@@ -103,6 +105,7 @@ def test_measure_compute_times_the_totals_on_the_train_steps_program():
                              batches=(raw_images[:0, 0], raw_labels[:0, 0]))
 
 
+@pytest.mark.slow
 def test_measure_comm_on_local_mesh():
   mesh = parallel.data_mesh(4)
   costs, raw = profiling.measure_comm(mesh, [64, 65536], 0.01, repeats=2, chain=3)  # k = 1 .. 656
@@ -281,6 +284,7 @@ def test_suffix_groups_pick_the_last_leaves_nearest_each_target():
     profiling.suffix_groups([4, 0], [10])
 
 
+@pytest.mark.slow
 def test_measure_update_times_grouping_methods_on_the_models_leaves():
   # Backward order: head first, input side last.
   shapes = [(64, 10), (10,), (32, 64), (64,), (3, 3, 3, 32)]
@@ -304,6 +308,7 @@ def test_measure_update_times_grouping_methods_on_the_models_leaves():
   assert refit == costs
 
 
+@pytest.mark.slow
 def test_measure_update_times_the_models_gradients():
   rng = np.random.default_rng(3)
   # Mostly exact zeros, as ResNet-50's gradients at 32x32 input are; two batches.

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 import dlgs_jax
@@ -32,6 +33,7 @@ def test_a_plain_program_has_no_conditionals_sorts_or_loops():
   assert counts["kernels"] >= 1
 
 
+@pytest.mark.slow
 def test_dlgs_conditionals_grow_with_its_groups_and_lags_has_one_top_k_per_leaf():
   """What bench_sparsify reports for the transforms today (one worker, no collectives)."""
   def params(leaves):

@@ -38,6 +38,7 @@ def host(tree):
   return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
+@pytest.mark.slow
 def test_round_trip_restores_everything_bit_for_bit(tmp_path, states):
   state, fresh = states
   saved = host(state)
@@ -113,6 +114,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_restored(
     tmp_path, states, damage):
@@ -140,6 +142,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_restored(
   ckpt.close()
 
 
+@pytest.mark.slow
 def test_fingerprints_see_one_flipped_bit_in_any_leaf(states):
   state, _ = states
   prints = checkpoint.tree_fingerprints(state)

@@ -300,6 +300,7 @@ class NNXNet(nnx.Module):
     return self.head(nnx.relu(self.norm(self.hidden(x))))
 
 
+@pytest.mark.slow
 def test_nnx_split_merge_step_updates_and_averages_its_state():
   m = mesh()
   graphdef, params, rest = nnx.split(NNXNet(nnx.Rngs(0)), nnx.Param, ...)
