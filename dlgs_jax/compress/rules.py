@@ -12,8 +12,8 @@ Algorithm 1). They differ on the reuse steps:
   they pass too little altogether or one leaf overflows badly.
 
 Why adapt: right after an exact step the values sent leave the residual, so
-the old threshold passes far fewer than k_l values (ResNet-20 at density 0.1:
-38% of k) and a fixed schedule sends less than the density asks for.
+the old threshold passes far fewer than k_l values and a fixed schedule sends
+less than the density asks for (measured in experiments/README.md, section 2).
 
 Each rule validates its fields when built and owns its drift test (`drifted`);
 `engine.step_thresholds` applies them.
@@ -110,8 +110,8 @@ class AdaptedReuse:
 
   A group recomputes every threshold exactly when its leaves together send
   fewer than ``below`` of its k, or one leaf passes more than `overflow` times
-  its buffer. (Asking every leaf of a merged group to stay in its band made a
-  group of ResNet-20's 59 leaves recompute on every step.)
+  its buffer: asking every leaf of a large merged group to stay in its band
+  would have the group recompute on nearly every step.
 
   Attributes:
     every: steps between scheduled exact thresholds (>= 1).
