@@ -69,3 +69,12 @@ def test_a_headless_browser_renders_the_quickstart_with_its_output(site, tmp_pat
   done = subprocess.run([browser, *flags, "--window-size=1200,2000", f"--screenshot={shot}",
                          page], capture_output=True, text=True, timeout=120)
   assert done.returncode == 0 and shot.stat().st_size > 10_000, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_own_step_page_trains_with_shard_map_and_loses_nothing_under_vmap(site):
+  page = html.unescape(re.sub(r"<[^>]+>", "", (site / "own_step.html").read_text()))
+  before, after = map(float, re.search(r"loss (\d\.\d+) -> (\d\.\d+)", page).groups())
+  assert after < 0.7 * before
+  assert re.findall(r"(w[12]) nothing lost: (\w+)", page) == [("w1", "True"), ("w2", "True")]
+  assert "'w1': (4, 16, 32)" in page  # pmap: one update per device
