@@ -12,6 +12,9 @@ import dlgs_jax
 from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
+# One worker builds the site for every test here: autosummary writes its pages
+# into the source tree, which two builds at once would race on.
+pytestmark = pytest.mark.xdist_group("docs")
 
 
 @pytest.fixture(scope="module")
