@@ -81,3 +81,15 @@ def test_the_own_step_page_trains_with_shard_map_and_loses_nothing_under_vmap(si
   assert after < 0.7 * before
   assert re.findall(r"(w[12]) nothing lost: (\w+)", page) == [("w1", "True"), ("w2", "True")]
   assert "'w1': (4, 16, 32)" in page  # pmap: one update per device
+
+
+@pytest.mark.slow
+def test_the_choosing_page_prints_the_bytes_its_formulas_give(site):
+  page = html.unescape(re.sub(r"<[^>]+>", "", (site / "choosing.html").read_text()))
+  rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", page,
+                    re.MULTILINE)
+  assert [int(r[0]) for r in rows] == [4, 16, 64, 256]
+  for p, dense, dense_bf16, gather, _, gtopk in ((int(r[0]), *map(float, r[1:])) for r in rows):
+    assert gather / dense == pytest.approx(0.01 * p, rel=0.01)  # all-gather over dense: d P
+    assert dense_bf16 == pytest.approx(dense / 2, abs=0.1)
+  assert float(rows[-1][5]) < float(rows[-1][3]) / 20  # gTop-k's log P at 256 workers
