@@ -39,6 +39,7 @@ import numpy as np
 
 import dlgs_jax
 from dlgs_jax.compress import engine, grouping
+from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.compress.state import comm_stats
 from dlgs_jax.workload import models
 from dlgs_jax import profiling
@@ -65,10 +66,8 @@ def threshold_step(layout, select, reuse_every):
 
 
 def rule_of(candidates, reuse_every):
-  """DLGS's reuse with `candidates` thresholds a step (one: the refresh rule)."""
-  if candidates == 1:
-    return dlgs_jax.RefreshReuse(reuse_every)
-  return dlgs_jax.AdaptedReuse(reuse_every, candidates=candidates)
+  """DLGS's reuse with `candidates` thresholds a step, as the method table builds it."""
+  return MethodConfig(reuse_every=reuse_every, candidates=candidates).threshold_rule()
 
 
 def make_selectors(params, density, reuse_every, grouped, candidates):

@@ -296,7 +296,7 @@ def is_passive(leaf) -> bool:
   # The shape's product, not jnp.size: shape structs (`jax.eval_shape`, compiling
   # ahead of time) are leaves too, and jnp.size refuses them in newer JAX.
   return (not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-          or math.prod(np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape) == 0)
+          or math.prod(np.shape(leaf)) == 0)
 
 
 def with_passive_leaves(tx: optax.GradientTransformation,

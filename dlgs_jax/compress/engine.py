@@ -83,8 +83,8 @@ def make_layout(
   resolved = grouping.resolve_groups(paths, groups, order, sizes if buckets else None)
   if single_group:
     resolved = [[leaf for group in resolved for leaf in group]]
-  for leaf in leaves:
-    if int(np.prod(leaf.shape, dtype=np.int64)) >= 2**31:
+  for leaf, size in zip(leaves, sizes):
+    if size >= 2**31:
       raise ValueError(f"a leaf of shape {leaf.shape} is too large for int32 indices")
   return Layout(
       treedef=treedef,
