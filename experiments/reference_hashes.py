@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,6 @@ from dlgs_jax.cli.train import method_flags
 from dlgs_jax.compress.methods import METHODS, VARIANTS
 
 STEPS = 25
-_SHA = re.compile(r"process 0: params_sha256 ([0-9a-f]{64})")
 
 
 def run_hash(name: str, workdir: Path) -> str:
@@ -39,11 +37,11 @@ def run_hash(name: str, workdir: Path) -> str:
   # sys.path, ahead of PYTHONPATH, which chooses the code compared.
   out = subprocess.run(command, capture_output=True, text=True, check=False,
                        cwd=workdir.parent)
-  found = _SHA.findall(out.stdout + out.stderr)
-  if out.returncode or not found:
+  summary = workdir / "summary.json"
+  if out.returncode or not summary.exists():
     raise SystemExit(f"{name}: dlgs-train failed ({out.returncode}): "
                      f"{(out.stderr or out.stdout).strip().splitlines()[-1:]}")
-  return found[-1]
+  return json.loads(summary.read_text())["params_sha256"]
 
 
 def compare(before: dict, after: dict) -> list[str]:

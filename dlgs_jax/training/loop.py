@@ -345,9 +345,9 @@ def _summarize(run: Run, loop: _Loop) -> dict:
   elapsed = time.perf_counter() - loop.started
   params_sha = tree_sha256(parallel.fetch((run.state.params, run.state.batch_stats)))
   opt_sha = tree_sha256(parallel.fetch(run.state.opt_state))
-  # Every process reports its own copy, so runs can be compared across processes.
-  print(f"process {jax.process_index()}: params_sha256 {params_sha} "
-        f"local_opt_state_sha256 {opt_sha}", flush=True)
+  if jax.process_count() > 1:  # each process reports its own copy, to compare across logs
+    print(f"process {jax.process_index()}: params_sha256 {params_sha} "
+          f"local_opt_state_sha256 {opt_sha}", flush=True)
   history, batch = loop.history, run.config.data.batch_size
   times = [r["step_time"] for r in history[1:]] or [r["step_time"] for r in history]
   sent = [r["bytes_sent"] for r in history if "bytes_sent" in r]
@@ -373,7 +373,19 @@ def _summarize(run: Run, loop: _Loop) -> dict:
           f"{run.total_steps}, checkpoint saved; continue with --resume", flush=True)
   if run.leader:
     (run.workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print("summary: " + ", ".join(
-        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
-        flush=True)
+    _report(run, summary)
   return summary
+
+
+def _report(run: Run, summary: dict) -> None:
+  """The curves' PNG and the closing lines (process 0)."""
+  from dlgs_jax.training import report
+
+  config = run.config
+  density = config.method.effective_density()
+  title = (f"{config.model.name}, {config.method.name}"
+           + (f" density {density:g}" if density is not None else "")
+           + f", {run.workers} workers")
+  curves = report.draw_curves(report.epoch_records(run.workdir / "metrics.jsonl"),
+                              run.workdir / report.CURVES, title)
+  print("\n".join(report.closing_lines(summary, run.workdir, curves)), flush=True)
