@@ -89,10 +89,12 @@ class ScheduleConfig:
     return self.epochs * steps_per_epoch if self.steps is None else self.steps
 
   def decay_boundaries(self, steps_per_epoch: int, total_steps: int) -> list[int]:
-    """Steps after which the learning rate is divided by 10."""
+    """Steps after which the learning rate is divided by 10 (those inside the run)."""
     if self.lr_decay_epochs is not None:
-      return sorted(int(round(e * steps_per_epoch)) for e in self.lr_decay_epochs)
-    return [int(round(total_steps * 4 / 7)), int(round(total_steps * 6 / 7))]
+      steps = sorted(int(round(e * steps_per_epoch)) for e in self.lr_decay_epochs)
+    else:
+      steps = [int(round(total_steps * 4 / 7)), int(round(total_steps * 6 / 7))]
+    return [b for b in steps if 0 < b < total_steps]
 
 
 @dataclasses.dataclass(frozen=True)

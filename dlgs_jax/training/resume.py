@@ -24,7 +24,8 @@ def restore_or_start(run: Run, ckpt) -> int:
                    "pass --resume to continue, or use another --workdir")
   try:
     try:
-      run.state, record = ckpt.restore_latest_good(run.state)
+      run.state, record = ckpt.restore_latest_good(run.state, allow=EXTENDABLE)
+      _check_extension(run, record)
     except checkpoint.CheckpointMismatch as e:
       if not set(e.differences) <= RESHARDABLE or not {"workers", "exchange"} & set(
           e.differences):
@@ -38,6 +39,53 @@ def restore_or_start(run: Run, ckpt) -> int:
   run.log(f"resumed from step {start} (epoch {start // run.steps_per_epoch}, batch "
           f"{start % run.steps_per_epoch} of {run.steps_per_epoch})")
   return start
+
+
+# What may differ when a run is extended (or shortened) on resume: its length and
+# the learning-rate drops still ahead; `_check_extension` keeps the steps taken.
+EXTENDABLE = frozenset({"schedule.epochs", "schedule.steps", "schedule.lr_decay_epochs",
+                        "total_steps"})
+
+
+def _check_extension(run: Run, record: dict) -> None:
+  """Refuses a new length unless every step already taken keeps its learning rate.
+
+  Raises:
+    RunError: the checkpoint lies at or past this run's end, or the new schedule
+      moves a learning-rate drop the steps taken already went through.
+  """
+  from dlgs_jax.training.config import ScheduleConfig
+
+  saved, step = record.get("identity", {}), int(record["step"])
+  old_total = saved.get("total_steps", run.total_steps)
+  if old_total == run.total_steps:
+    return
+  if step >= run.total_steps:
+    raise RunError(f"refusing to resume: the checkpoint is at step {step}, and this run has "
+                   f"{run.total_steps} steps; give more --epochs or --steps to extend it")
+  spe = run.steps_per_epoch
+  old = ScheduleConfig(epochs=saved["schedule.epochs"], steps=saved["schedule.steps"],
+                       lr_decay_epochs=saved["schedule.lr_decay_epochs"])
+  taken = [b for b in old.decay_boundaries(spe, old_total) if b < step]
+  now = run.config.schedule.decay_boundaries(spe, run.total_steps)
+  if taken != [b for b in now if b < step]:
+    keep = ",".join(_epochs_of(b, spe) for b in taken)
+    raise RunError(
+        f"refusing to resume: {run.total_steps} steps move the learning-rate drops of the "
+        f"{step} steps taken (they dropped at steps {taken or 'none'}, this run drops at "
+        f"{now or 'none'}); keep them with --lr-decay-epochs {keep or '<later epochs>'},"
+        "<the drops still to come>")
+  run.log(f"extending the run from {old_total} to {run.total_steps} steps; the learning "
+          f"rate drops at steps {now or 'none'}")
+
+
+def _epochs_of(step: int, steps_per_epoch: int) -> str:
+  """The shortest decimal epoch that rounds back to `step`."""
+  for digits in range(7):
+    text = f"{step / steps_per_epoch:.{digits}f}"
+    if int(round(float(text) * steps_per_epoch)) == step:
+      return text.rstrip("0").rstrip(".") if "." in text else text
+  return repr(step / steps_per_epoch)
 
 
 # What may differ when a run resumes on another number of workers or node shape:

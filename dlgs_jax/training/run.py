@@ -163,7 +163,7 @@ def build_run(config: RunConfig) -> Run:
     raise RunError(f"{total_steps} steps in all ({config.schedule.epochs} epochs x {spe}) do "
                    f"not fit the int32 step counter: give fewer --epochs or --steps")
   schedule = optax.piecewise_constant_schedule(config.optimizer.lr, {
-      b: 0.1 for b in config.schedule.decay_boundaries(spe, total_steps) if 0 < b < total_steps})
+      b: 0.1 for b in config.schedule.decay_boundaries(spe, total_steps)})
   sample = np.zeros((1,) + train_set.image_shape, np.uint8)
   variables = losses.init_variables(model, sample, config.seed)
   # Traced outside shard_map, so without the SyncBN axis (same parameters).

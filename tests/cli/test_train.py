@@ -19,7 +19,7 @@ from dlgs_jax.cli import train
 from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.training.config import SECTIONS, load_config
 from dlgs_jax.planning.timeline import Profile
-from tests.helpers import child_env, params_shas, smallcnn_plan, wait_for_step
+from tests.helpers import child_env, smallcnn_plan, wait_for_step
 
 SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
 
@@ -33,10 +33,9 @@ def records(workdir):
   return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def sha_of(output):
-  shas = params_shas(output)
-  assert list(shas) == [0], output[-3000:]
-  return shas[0]
+def sha_of(workdir):
+  """The final parameters' SHA-256 of a one-process run (its summary.json)."""
+  return json.loads((Path(workdir) / "summary.json").read_text())["params_sha256"]
 
 
 @pytest.mark.slow
@@ -62,7 +61,10 @@ def test_every_method_trains_and_logs(tmp_path, method):
     assert steps[-1]["bytes_sent"] == pytest.approx(dense_bytes * (3 / 4) / 6, rel=0.01)
   else:  # density 0.05 (DGC after its one warm-up step): far below a dense all-reduce
     assert steps[-1]["bytes_sent"] < 0.5 * dense_bytes
-  assert "epoch   1/1" in result.stdout and "summary:" in result.stdout
+  assert "epoch   1/1" in result.stdout and "finished: 4 steps" in result.stdout
+  # One process: the hashes live in summary.json, not on the screen.
+  assert "sha256" not in result.stdout and len(summary["params_sha256"]) == 64
+  assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
@@ -86,7 +88,7 @@ def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
   resumed = run_cli([*args, "--workdir", str(workdir), "--resume"])
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from step {max(saved)}" in resumed.stdout
-  assert sha_of(resumed.stdout) == sha_of(whole.stdout)
+  assert sha_of(workdir) == sha_of(tmp_path / "whole")
   a = json.loads((tmp_path / "whole" / "summary.json").read_text())
   b = json.loads((workdir / "summary.json").read_text())
   assert a["opt_state_sha256_process0"] == b["opt_state_sha256_process0"]
@@ -422,7 +424,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_for_bit(tmp_p
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
   resumed = run_cli([*args, "--workdir", str(tmp_path / "stopped"), "--resume"])
   assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout
-  assert params_shas(resumed.stdout) == params_shas(whole.stdout)
+  assert sha_of(tmp_path / "stopped") == sha_of(tmp_path / "whole")
 
 
 @pytest.mark.slow
@@ -511,4 +513,34 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "warning: checkpoint step 6 in" in resumed.stdout and "trying step 4" in resumed.stdout
   assert "resumed from step 4" in resumed.stdout
-  assert sha_of(resumed.stdout) == sha_of(whole.stdout)
+  assert sha_of(tmp_path / "parts") == sha_of(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_a_finished_run_extended_equals_one_planned_that_long(tmp_path):
+  # 59 steps an epoch at 2 x 32: drops at steps 12 (4/7 of 21) and 18, and later at 30.
+  args = [*SMALL, "--batch-size", "32", "--local-devices", "2", "--density", "0.05",
+          "--check-every", "0"]
+  short, whole = tmp_path / "short", tmp_path / "whole"
+  assert run_cli([*args, "--steps", "21", "--workdir", str(short)]).returncode == 0
+  # The default drops move with the length: refused, naming the epochs that keep them.
+  moved = run_cli([*args, "--steps", "35", "--workdir", str(short), "--resume"])
+  assert moved.returncode != 0 and len(moved.stderr.strip().splitlines()) == 1
+  assert "dropped at steps [12, 18], this run drops at [20, 30]" in moved.stderr
+  keep = re.search(r"--lr-decay-epochs ([0-9.]+),([0-9.]+),<", moved.stderr)
+  drops = f"{keep.group(1)},{keep.group(2)},{30 / 59:.4f}"
+  shorter = run_cli([*args, "--steps", "15", "--workdir", str(short), "--resume"])
+  assert "the checkpoint is at step 21, and this run has 15 steps" in shorter.stderr
+
+  extended = run_cli([*args, "--steps", "35", "--lr-decay-epochs", drops, "--workdir",
+                      str(short), "--resume"])
+  assert extended.returncode == 0, extended.stderr[-3000:]
+  assert "extending the run from 21 to 35 steps; the learning rate drops at steps " \
+         "[12, 18, 30]" in extended.stdout
+  planned = run_cli([*args, "--steps", "35", "--lr-decay-epochs", drops, "--workdir",
+                     str(whole)])
+  assert planned.returncode == 0, planned.stderr[-3000:]
+  assert sha_of(short) == sha_of(whole)
+  assert [r["lr"] for r in records(short) if "loss" in r] == \
+         [r["lr"] for r in records(whole) if "loss" in r]
+  assert json.loads((short / "config.json").read_text())["schedule"]["steps"] == 35
