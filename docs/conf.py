@@ -15,6 +15,8 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    # MathJax served with the site, so its equations render offline too.
+    "sphinx-mathjax-offline",
 ]
 
 autosummary_generate = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from dlgs_jax.training.run import Run, RunError
 
 
@@ -51,32 +53,52 @@ def _check_extension(run: Run, record: dict) -> None:
   """Refuses a new length unless every step already taken keeps its learning rate.
 
   Raises:
-    RunError: the checkpoint lies at or past this run's end, or the new schedule
-      moves a learning-rate drop the steps taken already went through.
+    RunError: naming why (`extension_refusal`).
   """
-  from dlgs_jax.training.config import ScheduleConfig
-
-  saved, step = record.get("identity", {}), int(record["step"])
+  saved = record.get("identity", {})
   old_total = saved.get("total_steps", run.total_steps)
   if old_total == run.total_steps:
     return
-  if step >= run.total_steps:
-    raise RunError(f"refusing to resume: the checkpoint is at step {step}, and this run has "
-                   f"{run.total_steps} steps; give more --epochs or --steps to extend it")
-  spe = run.steps_per_epoch
+  why = extension_refusal(saved, int(record["step"]), run.config.schedule,
+                          run.steps_per_epoch, run.total_steps)
+  if why:
+    raise RunError(f"refusing to resume: {why}")
+  drops = run.config.schedule.decay_boundaries(run.steps_per_epoch, run.total_steps)
+  run.log(f"extending the run from {old_total} to {run.total_steps} steps; the learning "
+          f"rate drops at steps {drops or 'none'}")
+
+
+def extension_refusal(saved: dict, step: int, schedule, steps_per_epoch: int,
+                      total_steps: int) -> Optional[str]:
+  """Why `schedule` may not continue a checkpoint at `step` of a run of another length.
+
+  Args:
+    saved: the checkpoint's identity (its ``schedule.*`` options and ``total_steps``).
+    step: the checkpoint's step.
+    schedule: the new run's `ScheduleConfig`.
+    steps_per_epoch: steps in an epoch (the same for both runs).
+    total_steps: the new run's length.
+
+  Returns:
+    None when every one of the `step` steps taken keeps its learning rate and
+    steps remain; else the reason, with the ``--lr-decay-epochs`` that fix it.
+  """
+  from dlgs_jax.training.config import ScheduleConfig
+
+  if step >= total_steps:
+    return (f"the checkpoint is at step {step}, and this run has {total_steps} steps; give "
+            "more --epochs or --steps to extend it")
   old = ScheduleConfig(epochs=saved["schedule.epochs"], steps=saved["schedule.steps"],
                        lr_decay_epochs=saved["schedule.lr_decay_epochs"])
-  taken = [b for b in old.decay_boundaries(spe, old_total) if b < step]
-  now = run.config.schedule.decay_boundaries(spe, run.total_steps)
-  if taken != [b for b in now if b < step]:
-    keep = ",".join(_epochs_of(b, spe) for b in taken)
-    raise RunError(
-        f"refusing to resume: {run.total_steps} steps move the learning-rate drops of the "
-        f"{step} steps taken (they dropped at steps {taken or 'none'}, this run drops at "
-        f"{now or 'none'}); keep them with --lr-decay-epochs {keep or '<later epochs>'},"
-        "<the drops still to come>")
-  run.log(f"extending the run from {old_total} to {run.total_steps} steps; the learning "
-          f"rate drops at steps {now or 'none'}")
+  taken = [b for b in old.decay_boundaries(steps_per_epoch, saved["total_steps"]) if b < step]
+  now = schedule.decay_boundaries(steps_per_epoch, total_steps)
+  if taken == [b for b in now if b < step]:
+    return None
+  keep = ",".join(_epochs_of(b, steps_per_epoch) for b in taken)
+  fix = (f"keep them with --lr-decay-epochs {keep},<the drops still to come>" if taken else
+         f"give --lr-decay-epochs with drops after epoch {_epochs_of(step, steps_per_epoch)}")
+  return (f"{total_steps} steps move the learning-rate drops of the {step} steps taken (they "
+          f"dropped at steps {taken or 'none'}, this run drops at {now or 'none'}); {fix}")
 
 
 def _epochs_of(step: int, steps_per_epoch: int) -> str:

@@ -68,6 +68,11 @@ def test_a_headless_browser_renders_the_quickstart_with_its_output(site, tmp_pat
   text = html.unescape(re.sub(r"<[^>]+>", "", dom.stdout))
   assert "Getting started" in text and "data_parallel(loss_fn, tx, mesh)" in text
   assert re.search(r"step 299\s+loss \d\.\d+", text), text[-2000:]
+  # MathJax ships with the site: the equations render with no network.
+  how = subprocess.run([browser, *flags, "--virtual-time-budget=10000", "--dump-dom",
+                        (site / "how_dlgs_works.html").as_uri()], capture_output=True,
+                       text=True, timeout=120)
+  assert how.stdout.count("<mjx-container") > 20, how.stderr[-2000:]
   shot = tmp_path / "quickstart.png"
   done = subprocess.run([browser, *flags, "--window-size=1200,2000", f"--screenshot={shot}",
                          page], capture_output=True, text=True, timeout=120)
@@ -81,6 +86,32 @@ def test_the_own_step_page_trains_with_shard_map_and_loses_nothing_under_vmap(si
   assert after < 0.7 * before
   assert re.findall(r"(w[12]) nothing lost: (\w+)", page) == [("w1", "True"), ("w2", "True")]
   assert "'w1': (4, 16, 32)" in page  # pmap: one update per device
+
+
+def text_of(site, page):
+  return html.unescape(re.sub(r"<[^>]+>", "", (site / f"{page}.html").read_text()))
+
+
+@pytest.mark.slow
+def test_the_how_page_runs_dlgs_and_draws_its_thresholds_and_the_planners_timelines(site):
+  page = text_of(site, "how_dlgs_works")
+  k = int(re.search(r"k = (\d+) values of 8192", page).group(1))
+  assert k == 410  # ceil(0.05 * 8192)
+  assert f"values sent on exact steps: [{k}]" in page  # exactly k on every exact step
+  times = dict(re.findall(r"(wfbp|single|optimal)\s+\d+ messages, one iteration ([\d.]+) ms", page))
+  assert float(times["optimal"]) <= float(times["single"]) < float(times["wfbp"])
+  images = re.findall(r'<img [^>]*src="(_images/[^"]+\.png)"',
+                      (site / "how_dlgs_works.html").read_text())
+  assert len(images) == 2  # the thresholds and the Gantt chart
+  for image in images:
+    assert (site / image).read_bytes()[:4] == b"\x89PNG" and (site / image).stat().st_size > 20_000
+
+
+@pytest.mark.slow
+def test_the_checkpoints_page_restores_a_data_parallel_state_bit_for_bit(site):
+  page = text_of(site, "checkpoints")
+  assert "restored step 30" in page
+  assert "identical to the run that never stopped: True" in page
 
 
 @pytest.mark.slow
