@@ -253,8 +253,12 @@ def method_flags(name: str) -> list[str]:
   return config_flags(RunConfig(method=method_config(name)))
 
 
-def main(argv=None, base: Optional[RunConfig] = None) -> int:
-  config = config_from_args(argv, base)
+def run(config: RunConfig, prog: str = "dlgs-train") -> dict:
+  """Starts `jax.distributed` where the config asks for it, then trains; the run's summary.
+
+  Raises:
+    SystemExit: one line naming what stopped the run.
+  """
   from dlgs_jax.training import distributed, loop
 
   processes = config.processes
@@ -262,11 +266,15 @@ def main(argv=None, base: Optional[RunConfig] = None) -> int:
     distributed.initialize(processes.coordinator, processes.num_processes, processes.process_id,
                            local_cpu_devices=processes.local_devices)
   except ValueError as e:
-    raise SystemExit(f"dlgs-train: {e}") from None
+    raise SystemExit(f"{prog}: {e}") from None
   try:
-    loop.train(config)
+    return loop.train(config)
   except (loop.RunError, ConfigError) as e:
-    raise SystemExit(f"dlgs-train: {e}") from None
+    raise SystemExit(f"{prog}: {e}") from None
+
+
+def main(argv=None) -> int:
+  run(config_from_args(argv))
   return 0
 
 
