@@ -31,7 +31,8 @@ DENSE_CITED = "docs/getting_started.md, \"The demo\""
 
 NEXT_STEPS = (
     ("dlgs-demo --method dense", "the same run with a dense all-reduce"),
-    ("dlgs-demo --density 0.1 --send-whole head", "more values a step, the classifier whole"),
+    ("dlgs-demo --send-whole head", "the classifier head sent whole"),
+    ("dlgs-demo --density 0.1", "ten times the values a step"),
     ("bash scripts/docs.sh", "the docs, with DLGS in your own NNX or Linen step"),
 )
 

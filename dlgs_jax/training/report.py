@@ -86,7 +86,8 @@ def traffic_line(summary: dict) -> str:
   if not sent or not dense:
     return ""
   ratio = dense / sent
-  compared = f"{ratio:.0f}x less" if ratio >= 1.5 else f"{ratio:.2f}x"
+  compared = (f"{ratio:.0f}x less" if ratio >= 10 else f"{ratio:.1f}x less" if ratio >= 1.5
+              else f"{ratio:.2f}x")
   return (f"traffic: each worker sent {_bytes(sent)} a step; a dense float32 all-reduce "
           f"sends {_bytes(dense)} ({compared})")
 

@@ -41,6 +41,7 @@ def test_curves_are_a_png_of_two_panels(tmp_path):
     (47384.0, 2365864.0, "each worker sent 47.4 kB a step; a dense float32 all-reduce sends "
                          "2.37 MB (50x less)"),
     (1.618e6, 1.618e6, "(1.00x)"),
+    (1.45e6, 3.55e6, "sent 1.45 MB a step; a dense float32 all-reduce sends 3.55 MB (2.4x less)"),
     (512.0, 3.2e9, "512 B a step; a dense float32 all-reduce sends 3.2 GB (6250000x less)")])
 def test_traffic_is_compared_with_a_dense_all_reduce(sent, dense, expected):
   line = report.traffic_line({"bytes_sent_per_step": sent, "dense_bytes_per_step": dense})
