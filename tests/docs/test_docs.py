@@ -86,6 +86,8 @@ def test_the_own_step_page_trains_with_shard_map_and_loses_nothing_under_vmap(si
   assert after < 0.7 * before
   assert re.findall(r"(w[12]) nothing lost: (\w+)", page) == [("w1", "True"), ("w2", "True")]
   assert "'w1': (4, 16, 32)" in page  # pmap: one update per device
+  linen = [float(x) for x in re.findall(r"step +(?:0|199)  loss (\d\.\d+)", page)]
+  assert len(linen) == 2 and linen[1] < 0.8 * linen[0]  # Linen with BatchNorm trains
 
 
 def text_of(site, page):
