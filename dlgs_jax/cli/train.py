@@ -147,7 +147,8 @@ FLAGS = (
          "consecutive processes' devices form a node (e.g. one process per GPU); default: "
          "each process is a node", int),
     Flag("--workdir", "checkpoint", "workdir", "where the run writes"),
-    Flag("--resume", "checkpoint", "resume", "continue from the latest checkpoint in --workdir",
+    Flag("--resume", "checkpoint", "resume", "continue from the latest checkpoint in --workdir; "
+         "more --epochs or --steps extend a run whose steps taken keep their learning rate",
          action="store_true"),
     Flag("--checkpoint-every", "checkpoint", "checkpoint_every",
          "save every N steps (0: at the end of every epoch)", int),

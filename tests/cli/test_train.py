@@ -518,29 +518,28 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp
 
 @pytest.mark.slow
 def test_a_finished_run_extended_equals_one_planned_that_long(tmp_path):
-  # 59 steps an epoch at 2 x 32: drops at steps 12 (4/7 of 21) and 18, and later at 30.
-  args = [*SMALL, "--batch-size", "32", "--local-devices", "2", "--density", "0.05",
-          "--check-every", "0"]
+  # 237 steps an epoch at 2 x 8: drops at steps 4 (4/7 of 7) and 6, and later at 12.
+  args = [*SMALL, "--local-devices", "2", "--density", "0.05", "--check-every", "0"]
   short, whole = tmp_path / "short", tmp_path / "whole"
-  assert run_cli([*args, "--steps", "21", "--workdir", str(short)]).returncode == 0
+  assert run_cli([*args, "--steps", "7", "--workdir", str(short)]).returncode == 0
   # The default drops move with the length: refused, naming the epochs that keep them.
-  moved = run_cli([*args, "--steps", "35", "--workdir", str(short), "--resume"])
+  moved = run_cli([*args, "--steps", "14", "--workdir", str(short), "--resume"])
   assert moved.returncode != 0 and len(moved.stderr.strip().splitlines()) == 1
-  assert "dropped at steps [12, 18], this run drops at [20, 30]" in moved.stderr
+  assert "dropped at steps [4, 6], this run drops at [8, 12]" in moved.stderr
   keep = re.search(r"--lr-decay-epochs ([0-9.]+),([0-9.]+),<", moved.stderr)
-  drops = f"{keep.group(1)},{keep.group(2)},{30 / 59:.4f}"
-  shorter = run_cli([*args, "--steps", "15", "--workdir", str(short), "--resume"])
-  assert "the checkpoint is at step 21, and this run has 15 steps" in shorter.stderr
+  drops = f"{keep.group(1)},{keep.group(2)},{12 / 237:.4f}"
+  shorter = run_cli([*args, "--steps", "5", "--workdir", str(short), "--resume"])
+  assert "the checkpoint is at step 7, and this run has 5 steps" in shorter.stderr
 
-  extended = run_cli([*args, "--steps", "35", "--lr-decay-epochs", drops, "--workdir",
+  extended = run_cli([*args, "--steps", "14", "--lr-decay-epochs", drops, "--workdir",
                       str(short), "--resume"])
   assert extended.returncode == 0, extended.stderr[-3000:]
-  assert "extending the run from 21 to 35 steps; the learning rate drops at steps " \
-         "[12, 18, 30]" in extended.stdout
-  planned = run_cli([*args, "--steps", "35", "--lr-decay-epochs", drops, "--workdir",
+  assert "extending the run from 7 to 14 steps; the learning rate drops at steps " \
+         "[4, 6, 12]" in extended.stdout
+  planned = run_cli([*args, "--steps", "14", "--lr-decay-epochs", drops, "--workdir",
                      str(whole)])
   assert planned.returncode == 0, planned.stderr[-3000:]
   assert sha_of(short) == sha_of(whole)
   assert [r["lr"] for r in records(short) if "loss" in r] == \
          [r["lr"] for r in records(whole) if "loss" in r]
-  assert json.loads((short / "config.json").read_text())["schedule"]["steps"] == 35
+  assert json.loads((short / "config.json").read_text())["schedule"]["steps"] == 14

@@ -34,7 +34,7 @@ def test_the_quickstart_page_shows_its_code_and_what_it_printed(site):
   page = html.unescape(re.sub(r"<[^>]+>", "", (site / "getting_started.html").read_text()))
   assert "dlgs_jax.data_parallel(loss_fn, tx, mesh)" in page
   # The outputs come from running the page: three loss lines and the comparison.
-  losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", page)]
+  losses = [float(x) for x in re.findall(r"step +\d+  loss (\d+\.\d+)", page)]
   assert len(losses) == 4 and losses[-1] < losses[0], losses
   ratio = re.search(r"DLGS (\d+) \((\d+)x less\)", page)
   assert ratio and int(ratio.group(2)) > 10
@@ -68,6 +68,17 @@ def test_a_headless_browser_renders_the_quickstart_with_its_output(site, tmp_pat
   text = html.unescape(re.sub(r"<[^>]+>", "", dom.stdout))
   assert "Getting started" in text and "data_parallel(loss_fn, tx, mesh)" in text
   assert re.search(r"step 299\s+loss \d\.\d+", text), text[-2000:]
+  # Every page of the site renders its title and its text in the browser.
+  toctree = (ROOT / "docs" / "index.md").read_text().split("```{toctree}", 1)[1].split("```")[0]
+  pages = [line.strip() for line in toctree.splitlines()[1:] if line.strip()
+           and not line.startswith(":")]
+  assert len(pages) >= 10, pages
+  for name in pages:
+    heading = re.search(r"^# (.+)$", (ROOT / "docs" / f"{name}.md").read_text(), re.M).group(1)
+    rendered = subprocess.run([browser, *flags, "--dump-dom", (site / f"{name}.html").as_uri()],
+                              capture_output=True, text=True, timeout=120)
+    text = html.unescape(re.sub(r"<[^>]+>", "", rendered.stdout))
+    assert heading in text and len(text) > 3000, name
   # MathJax ships with the site: the equations render with no network.
   how = subprocess.run([browser, *flags, "--virtual-time-budget=10000", "--dump-dom",
                         (site / "how_dlgs_works.html").as_uri()], capture_output=True,
