@@ -24,7 +24,11 @@ class RunError(Exception):
 
 
 def load_data(config: RunConfig, model_shape):
-  """(train set, test set, dataset name, crop padding) of the run's data section."""
+  """(train set, test set, dataset name, crop padding) of the run's data section.
+
+  A data directory is named by its resolved path, so that a run resumed from another
+  working directory, or through a symlink, finds its checkpoints' dataset.
+  """
   from dlgs_jax.workload import data
 
   settings, model_name = config.data, config.model.name
@@ -32,7 +36,7 @@ def load_data(config: RunConfig, model_shape):
   if kind == "cifar10":
     if settings.data_dir:
       train, test = data.load_cifar10(settings.data_dir)
-      return train, test, f"cifar10:{os.path.abspath(settings.data_dir)}", 4
+      return train, test, f"cifar10:{os.path.realpath(settings.data_dir)}", 4
     train, test = data.load_embedded_cifar10()
     return train, test, "cifar10:embedded", 4
   size = settings.image_size or model_shape[0]
@@ -41,7 +45,7 @@ def load_data(config: RunConfig, model_shape):
       raise RunError(f"{model_name} needs --data-dir (an image folder with train/ and val/), "
                      "or --dataset synthetic")
     train, test = data.load_image_folder(settings.data_dir, size)
-    return train, test, f"imagefolder:{os.path.abspath(settings.data_dir)}", max(1, size // 8)
+    return train, test, f"imagefolder:{os.path.realpath(settings.data_dir)}", max(1, size // 8)
   shape = (size, size, model_shape[2])
   classes = 10 if model_name in CIFAR_MODELS else 1000
   train = data.synthetic(settings.synthetic_examples, shape, classes, seed=config.seed)
