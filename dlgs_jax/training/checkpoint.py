@@ -252,7 +252,11 @@ def _everywhere(ok: bool) -> bool:
 
 def _first_line(error: Exception) -> str:
   text = str(error).strip().splitlines()
-  return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
+  if not text:
+    return type(error).__name__
+  # TensorStore appends the repr of a bound method after this phrase: noise to a user.
+  head = text[0].split(". See full TensorStore details")[0]
+  return f"{type(error).__name__}: {head[:200]}"
 
 
 def _normal(value):

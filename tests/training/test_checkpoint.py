@@ -1,3 +1,5 @@
+import gc
+
 import jax
 import numpy as np
 import optax
@@ -114,7 +116,12 @@ DAMAGE = {
 }
 
 
+# A damaged array file fails one read while orbax has others in flight; it abandons
+# those coroutines, and Python reports each as an ignored exception when it is
+# collected. The test collects them itself, so that they are not printed at the end
+# of the session as if something had broken.
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_restored(
     tmp_path, states, damage):
@@ -134,12 +141,13 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_restored(
   for a, b in zip(host(restored), host(state)):
     np.testing.assert_array_equal(a, b)
   assert len(warnings) == 1 and "checkpoint step 2" in warnings[0] and "trying step 1" in warnings[0]
-  assert "\n" not in warnings[0]
+  assert "\n" not in warnings[0] and "pybind11" not in warnings[0]
   # Every checkpoint damaged: refused in one line, never a state that does not verify.
   DAMAGE[damage](tmp_path / "1")
   with pytest.raises(checkpoint.CheckpointCorrupt, match="no checkpoint .* passes its checks"):
     ckpt.restore_latest_good(fresh)
   ckpt.close()
+  gc.collect()
 
 
 @pytest.mark.slow
