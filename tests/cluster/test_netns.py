@@ -121,22 +121,21 @@ def test_sigterm_and_stale_state_are_cleaned(tmp_path):
 
 
 @needs_netns
-@pytest.mark.parametrize("local_devices", [1, 2])
-def test_two_workers_train_over_the_shaped_network(tmp_path, local_devices):
-  """One process per namespace; with 2 devices each, two nodes exchanging in two levels."""
+def test_two_workers_train_over_the_shaped_network(tmp_path):
+  """One process of one device per namespace, as the cluster measurements run. (Processes
+  of several devices exchange in two levels the same way on localhost: test_launch.)"""
   result = subprocess.run(
       [sys.executable, "-m", "dlgs_jax.cluster", "--workers", "2", "--bandwidth", "1gbit",
-       "--local-devices", str(local_devices), "--",
+       "--local-devices", "1", "--",
        "--model", "smallcnn", "--batch-size", "8", "--steps", "4", "--density", "0.05",
        "--workdir", str(tmp_path)], env=child_env(), capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
   prints = params_shas(result.stdout)
   assert sorted(prints) == [0, 1] and len(set(prints.values())) == 1
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert summary["processes"] == 2 and summary["steps"] == 4
-  assert summary["workers"] == 2 * local_devices
+  assert summary["processes"] == 2 and summary["steps"] == 4 and summary["workers"] == 2
   assert "cluster" in result.stdout and "10." in result.stdout
-  assert ("two-level exchange: 2 nodes x 2 devices" in result.stdout) == (local_devices == 2)
+  assert "two-level" not in result.stdout
 
 
 def test_unavailable_reason_is_explained_when_not_root(monkeypatch, capsys):
