@@ -7,6 +7,10 @@
 #   bash scripts/test.sh          # the full suite (what CI runs)
 #   bash scripts/test.sh --fast   # the fast lane: no multi-process, cluster or slow tests
 #
+# Where the time goes (CPU seconds per test, children included):
+#   DLGS_TEST_CPU_DIR=/tmp/cpu bash scripts/test.sh -p tests.cpu_time
+#   .venv/bin/python -m tests.cpu_time /tmp/cpu
+#
 # One pytest worker per core, at most 4 (pytest-xdist): the suite is mostly
 # compilation, which runs on one core, and its multi-process tests leave a core
 # idle while one process compiles. The emulated-cluster tests stay on one worker
