@@ -44,20 +44,24 @@ def pytest_runtest_protocol(item, nextitem):
       f.write(json.dumps(record) + "\n")
 
 
+def records(folder: str) -> list[dict]:
+  """Every test's record in `folder`, from all the processes that wrote there."""
+  return [json.loads(line) for path in sorted(Path(folder).glob("*.jsonl"))
+          for line in path.read_text().splitlines()]
+
+
 def summary(folder: str, top: int = 25) -> str:
   """The total, the `top` costliest tests and the costliest files, as text."""
-  records = [json.loads(line) for path in sorted(Path(folder).glob("*.jsonl"))
-             for line in path.read_text().splitlines()]
-  if not records:
+  found = sorted(records(folder), key=lambda r: -r["cpu"])
+  if not found:
     raise SystemExit(f"no records in {folder}: run pytest with -p tests.cpu_time and "
                      "DLGS_TEST_CPU_DIR set")
-  records.sort(key=lambda r: -r["cpu"])
   files = collections.Counter()
-  for r in records:
+  for r in found:
     files[r["test"].split("::")[0]] += r["cpu"]
-  lines = [f"{len(records)} tests, {sum(r['cpu'] for r in records):.0f} CPU seconds",
+  lines = [f"{len(found)} tests, {sum(r['cpu'] for r in found):.0f} CPU seconds",
            "", "  cpu s  wall s  test"]
-  lines += [f"{r['cpu']:7.1f} {r['wall']:7.1f}  {r['test']}" for r in records[:top]]
+  lines += [f"{r['cpu']:7.1f} {r['wall']:7.1f}  {r['test']}" for r in found[:top]]
   lines += ["", "  cpu s  file"] + [f"{cpu:7.1f}  {name}" for name, cpu in files.most_common(top)]
   return "\n".join(lines)
 

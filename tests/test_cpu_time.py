@@ -1,6 +1,5 @@
 """The suite's CPU-time plugin records every test and sums them."""
 
-import json
 import subprocess
 import sys
 
@@ -21,8 +20,7 @@ def test_each_test_is_charged_its_own_and_its_childrens_cpu(tmp_path):
                          "-p", "no:cacheprovider", "-n", "0", str(tmp_path / "test_spin.py")],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stdout[-2000:]
-  records = {r["test"].split("::")[1]: r for path in folder.glob("*.jsonl")
-             for r in map(json.loads, path.read_text().splitlines())}
+  records = {r["test"].split("::")[1]: r for r in cpu_time.records(str(folder))}
   assert set(records) == {"test_child", "test_idle"}
   # The child's loop is charged to the test that waited for it, not to the idle one.
   assert records["test_child"]["cpu"] > 0.1 > records["test_idle"]["cpu"]
