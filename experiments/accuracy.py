@@ -24,7 +24,9 @@ planned groups). A name ending in @2l trains that method in two levels
 (`compress.hierarchical`): the --workers devices as nodes of --node-size,
 dense inside a node, the method between nodes.
 With several seeds the table gives each configuration's mean and sample
-standard deviation, and its gap to dense taken seed by seed. --merge joins the
+standard deviation, and its gap to dense taken seed by seed; --versus A:B adds
+A's gap to B the same way (e.g. dlgs-paper:dlgs, the two threshold rules).
+--merge joins the
 results.json of runs made separately (e.g. one seed per job) into one table
 and one figure, without training; it refuses files whose settings differ.
 """
@@ -86,12 +88,24 @@ def parse_args(argv=None):
   parser.add_argument("--merge", help="comma-separated results.json files to join into one "
                       "table and figure under --out-dir; trains nothing, and the training "
                       "flags are ignored")
+  parser.add_argument("--versus", default="",
+                      help="comma-separated A:B method pairs: the table also gives A's gap to "
+                      "B, paired by seed and density (e.g. dlgs-paper:dlgs)")
   args = parser.parse_args(argv)
+  args.versus = [tuple(pair.split(":")) for pair in args.versus.split(",") if pair]
+  for pair in args.versus:
+    if len(pair) != 2 or not all(pair) or pair[0] == pair[1]:
+      parser.error(f"--versus {':'.join(pair)!r} is invalid: give two different methods as A:B")
   if args.merge:
     args.merge = [Path(path) for path in args.merge.split(",")]
     return args
   if args.quick:
     args.methods, args.densities, args.epochs = "dense,dlgs", "0.1", 2
+  for pair in args.versus:
+    missing = [m for m in pair if m not in args.methods.split(",")]
+    if missing:
+      parser.error(f"--versus {':'.join(pair)!r} is invalid: {', '.join(missing)} is not "
+                   f"among --methods {args.methods}")
   try:
     args.seeds = [int(seed) for seed in args.seeds.split(",")]
   except ValueError:
@@ -235,13 +249,30 @@ def merge_results(paths):
   return meta, results
 
 
-def write_report(results, meta, out: Path):
-  """results.json, results.md (printed too) and curves.png under out."""
+def write_report(results, meta, out: Path, versus=()):
+  """results.json, results.md (printed too) and curves.png under out.
+
+  Args:
+    results: the runs.
+    meta: their settings.
+    out: the folder.
+    versus: (A, B) method pairs whose paired gaps the table adds.
+
+  Raises:
+    SystemExit: a method of `versus` has no run, before anything is written.
+  """
+  for pair in versus:
+    missing = [m for m in pair if not any(r["method"] == m for r in results)]
+    if missing:
+      raise SystemExit(f"--versus {':'.join(pair)}: no run of {', '.join(missing)} here; "
+                       f"the runs are of {', '.join(sorted({r['method'] for r in results}))}")
   out.mkdir(parents=True, exist_ok=True)
   (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
   table = markdown(results)
   if len(meta["seeds"]) > 1 and any(r["method"] == "dense" for r in results):
     table += "\n\n" + markdown_paired_gaps(results)
+  for a, b in versus:
+    table += "\n\n" + markdown_paired_gaps(results, base=b, only=(a,))
   if any("threshold_stats" in r["summary"] for r in results):
     table += "\n\n" + markdown_thresholds(results)
   (out / "results.md").write_text(table + "\n")
@@ -255,7 +286,7 @@ def main(argv=None) -> int:
   command = "python experiments/accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
   if args.merge:
     meta, results = merge_results(args.merge)
-    write_report(results, dict(meta, command=command), out)
+    write_report(results, dict(meta, command=command), out, args.versus)
     return 0
   out.mkdir(parents=True, exist_ok=True)
   methods = args.methods.split(",")
@@ -307,7 +338,7 @@ def main(argv=None) -> int:
           "plan_dir": args.plan_dir,
           "node_size": args.node_size if any(exchange_of(m)[1] for m in methods) else None,
           "data": args.data_dir or "embedded CIFAR-10 subset (3,805 train / 761 test)"}
-  write_report(results, meta, out)
+  write_report(results, meta, out, args.versus)
   return 0
 
 
@@ -439,16 +470,19 @@ def markdown_seeds(results) -> str:
   return "\n".join(lines)
 
 
-def paired_gaps(results, tail: int) -> dict:
-  """Per configuration other than dense: its gap to dense seed by seed, in points.
+def paired_gaps(results, tail: int, base: str = "dense", only=None) -> dict:
+  """Per configuration other than `base`: its gap to `base` seed by seed, in points.
 
   Args:
-    results: runs of several seeds, dense among them.
+    results: runs of several seeds, `base` among them.
     tail: how many final epochs the "tail" measure averages.
+    base: the method compared against. A run is paired with `base`'s run of the
+      same seed and density (dense has no density: it pairs with every one).
+    only: the methods to compare with `base` (default: every other one).
 
   Returns:
     {(method, density): {"final" | "tail" | "best": [gap per seed]}} over the seeds
-    that have a dense run; "final" is the last epoch's test accuracy, "tail" the mean
+    that have a `base` run; "final" is the last epoch's test accuracy, "tail" the mean
     over the last `tail` epochs, "best" the best epoch's.
   """
   def measures(run):
@@ -456,37 +490,41 @@ def paired_gaps(results, tail: int) -> dict:
     return {"final": final_accuracy(run), "tail": accuracy[-tail:].mean(),
             "best": accuracy.max()}
 
-  dense = {r["seed"]: measures(r) for r in results if r["method"] == "dense"}
+  bases = {(r["seed"], r["density"]): measures(r) for r in results if r["method"] == base}
   gaps = {}
   for configuration, runs in by_configuration(results).items():
-    if configuration[0] == "dense":
+    if configuration[0] == base or (only is not None and configuration[0] not in only):
       continue
-    per_seed = [(measures(r), dense[r["seed"]]) for r in runs if r["seed"] in dense]
+    per_seed = [(measures(r), bases.get((r["seed"], r["density"]), bases.get((r["seed"], None))))
+                for r in runs]
+    per_seed = [(own, other) for own, other in per_seed if other is not None]
     if not per_seed:
       continue
-    gaps[configuration] = {name: [own[name] - base[name] for own, base in per_seed]
+    gaps[configuration] = {name: [own[name] - other[name] for own, other in per_seed]
                            for name in ("final", "tail", "best")}
   return gaps
 
 
-def markdown_paired_gaps(results) -> str:
-  """Paired gaps to dense under three measures of the test accuracy, seed by seed.
+def markdown_paired_gaps(results, base: str = "dense", only=None) -> str:
+  """Paired gaps to `base` under three measures of the test accuracy, seed by seed.
 
   The final epoch's accuracy on a small test set moves by about a point between
   neighbouring epochs, as much as the gaps being measured; the mean over the
   last tenth of the epochs and the best epoch say how much of a gap is that noise.
+  Arguments as `paired_gaps`; with one seed the mean has no spread.
   """
   tail = max(1, len(results[0]["epochs"]) // 10)
   names = {"final": "final test accuracy", "tail": f"mean of the last {tail} epochs",
            "best": "best test accuracy"}
   lines = ["| method | density | measure | gap per seed (points) | gap, mean ± sd |",
            "|---|---|---|---|---|"]
-  for (method, density), gaps in paired_gaps(results, tail).items():
+  for (method, density), gaps in paired_gaps(results, tail, base, only).items():
+    label = method if base == "dense" else f"{method} − {base}"
     for name, values in gaps.items():
-      sd = np.std(values, ddof=1) if len(values) > 1 else float("nan")
-      lines.append(f"| {method} | {'-' if density is None else format(density, 'g')} | "
+      spread = f" ± {np.std(values, ddof=1):.1f}" if len(values) > 1 else " (one seed)"
+      lines.append(f"| {label} | {'-' if density is None else format(density, 'g')} | "
                    f"{names[name]} | {' / '.join(f'{v:+.1f}' for v in values)} | "
-                   f"{np.mean(values):+.1f} ± {sd:.1f} |")
+                   f"{np.mean(values):+.1f}{spread} |")
   return "\n".join(lines)
 
 

@@ -60,13 +60,14 @@ def full_steps() -> list[tuple[str, list[str]]]:
       "--seeds", str(seed), "--data-dir", FULL_CIFAR10, "--out-dir",
       f"{r}accuracy_full/{method}_seed{seed}", "--runs-dir", "runs/accuracy_full"])
       for seed in (0, 1) for method in ("dense", "dlgs-paper", "dlgs", "topk", "lags")]
-  # The table of the runs that have landed: means, gaps to dense paired by seed, curves.
+  # The table of the runs that have landed: means, gaps to dense paired by seed, curves,
+  # and the two threshold rules paired (the default rule is decided on it).
   landed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / r / "accuracy_full").glob(
       "*_seed*/results.json"))
   return [
       *accuracy_full,
       ("accuracy_full_table", [e + "accuracy.py", "--merge", ",".join(landed), "--out-dir",
-                               r + "accuracy_full/table"]),
+                               r + "accuracy_full/table", "--versus", "dlgs-paper:dlgs"]),
       ("compare_resnet50", compare("resnet50", 0.01, "dense,topk,dlgs,dlgs-paper", 8, 2,
                                    plans="cluster_resnet50")),
       ("compare_resnet50_lags_gtopk", compare(

@@ -237,6 +237,67 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
   assert "seeds" not in accuracy.markdown([results[0], results[3]]).splitlines()[0]
 
 
+def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
+  accuracy = load("accuracy")
+  rng = np.random.default_rng(1)
+  curves = {}
+
+  def run(method, density, seed):
+    curves[method, density, seed] = rng.uniform(0.5, 0.9, 10) * 100
+    return {"method": method, "density": density, "seed": seed,
+            "epochs": [{"epoch": e, "test_accuracy": a / 100, "test_loss": 1.0}
+                       for e, a in enumerate(curves[method, density, seed])],
+            "summary": {"bytes_sent_per_step": 1e6, "seconds": 60.0}}
+
+  # dlgs at two densities: each dlgs-paper run pairs with dlgs of its own density.
+  results = [run(m, d, seed) for seed in (0, 1) for m, d in
+             (("dense", None), ("dlgs", 0.1), ("dlgs", 0.01), ("dlgs-paper", 0.1))]
+  table = accuracy.markdown_paired_gaps(results, base="dlgs", only=("dlgs-paper",))
+  rows = table.splitlines()[2:]
+  assert len(rows) == 3 and all(r.startswith("| dlgs-paper − dlgs | 0.1 |") for r in rows)
+  gaps = [curves["dlgs-paper", 0.1, s][-1] - curves["dlgs", 0.1, s][-1] for s in (0, 1)]
+  assert (f"| final test accuracy | {gaps[0]:+.1f} / {gaps[1]:+.1f} | "
+          f"{np.mean(gaps):+.1f} ± {np.std(gaps, ddof=1):.1f} |") in rows[0]
+  tail = [curves["dlgs-paper", 0.1, s][-1:].mean() - curves["dlgs", 0.1, s][-1:].mean()
+          for s in (0, 1)]
+  assert f"{tail[0]:+.1f} / {tail[1]:+.1f}" in rows[1]
+  # One seed: the gap without a spread.
+  one = accuracy.markdown_paired_gaps(results[:4], base="dlgs", only=("dlgs-paper",))
+  assert one.splitlines()[2].endswith(f"| {gaps[0]:+.1f} | {gaps[0]:+.1f} (one seed) |")
+
+  meta = {"model": "resnet20", "workers": 4, "epochs": 10, "batch_size": 32, "lr": 0.1,
+          "data": "embedded"}
+  paths = []
+  for seed in (0, 1):
+    path = tmp_path / f"s{seed}" / "results.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"meta": dict(meta, seeds=[seed]),
+                                "results": [r for r in results if r["seed"] == seed]}))
+    paths.append(str(path))
+  out = tmp_path / "merged"
+  assert accuracy.main(["--merge", ",".join(paths), "--out-dir", str(out),
+                        "--versus", "dlgs-paper:dlgs"]) == 0
+  assert rows[0] in (out / "results.md").read_text()
+  with pytest.raises(SystemExit, match="--versus topk:dlgs: no run of topk here; the runs are "
+                     "of dense, dlgs, dlgs-paper"):
+    accuracy.main(["--merge", ",".join(paths), "--out-dir", str(tmp_path / "x"),
+                   "--versus", "topk:dlgs"])
+  assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--versus", "dlgs"], "--versus 'dlgs' is invalid: give two different methods as A:B"),
+    (["--versus", "dlgs:dlgs"], "--versus 'dlgs:dlgs' is invalid: give two different"),
+    (["--methods", "dense,dlgs", "--versus", "dlgs-paper:dlgs"],
+     "--versus 'dlgs-paper:dlgs' is invalid: dlgs-paper is not among --methods dense,dlgs"),
+])
+def test_accuracy_refuses_a_bad_versus_before_training(flags, message, capsys):
+  accuracy = load("accuracy")
+  with pytest.raises(SystemExit):
+    accuracy.parse_args(flags)
+  assert message in capsys.readouterr().err
+
+
 def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settings(tmp_path):
   accuracy = load("accuracy")
   rng = np.random.default_rng(0)
