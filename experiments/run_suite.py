@@ -55,11 +55,16 @@ def full_steps() -> list[tuple[str, list[str]]]:
       "--seeds", str(seed), "--out-dir", f"runs/accuracy_120ep_seed{seed}",
       "--runs-dir", "runs/accuracy_120ep"]) for seed in range(4)]
   # Full CIFAR-10, ResNet-20, the paper's density: one run per step, so each lands on its own.
-  accuracy_full = [(f"accuracy_full_{method}_seed{seed}", [
-      e + "accuracy.py", "--methods", method, "--densities", "0.1", "--epochs", "30",
-      "--seeds", str(seed), "--data-dir", FULL_CIFAR10, "--out-dir",
-      f"{r}accuracy_full/{method}_seed{seed}", "--runs-dir", "runs/accuracy_full"])
-      for seed in (0, 1) for method in ("dense", "dlgs-paper", "dlgs", "topk", "lags")]
+  # First the five methods on two seeds; then a third seed, the head sent whole, and 0.01.
+  full_runs = ([(m, 0.1, s) for s in (0, 1) for m in ("dense", "dlgs-paper", "dlgs", "topk", "lags")]
+               + [(m, 0.1, 2) for m in ("dense", "dlgs-paper", "dlgs")]
+               + [("dlgs-paper-head", 0.1, s) for s in (0, 1)]
+               + [(m, 0.01, s) for s in (0, 1) for m in ("dlgs-paper", "dlgs", "topk")])
+  accuracy_full = [(f"accuracy_full_{m}{'' if d == 0.1 else f'_{d:g}'}_seed{s}", [
+      e + "accuracy.py", "--methods", m, "--densities", f"{d:g}", "--epochs", "30",
+      "--seeds", str(s), "--data-dir", FULL_CIFAR10, "--out-dir",
+      f"{r}accuracy_full/{m}{'' if d == 0.1 else f'_{d:g}'}_seed{s}", "--runs-dir",
+      "runs/accuracy_full"]) for m, d, s in full_runs]
   # The table of the runs that have landed: means, gaps to dense paired by seed, curves,
   # and the two threshold rules paired (the default rule is decided on it).
   landed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / r / "accuracy_full").glob(

@@ -361,6 +361,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("dlgs-whole1d", "dlgs", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
     Variant("lags-whole1d", "lags", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
     Variant("dlgs-head", "dlgs", {"send_whole": ("head",)}, "the classifier head sent whole"),
+    Variant("dlgs-paper-head", "dlgs", {"refresh_below": None, "send_whole": ("head",)},
+            "the paper's fixed threshold schedule, the classifier head sent whole"),
     Variant("lags-head", "lags", {"send_whole": ("head",)}, "the classifier head sent whole"),
 )}
 

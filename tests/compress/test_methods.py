@@ -26,6 +26,8 @@ def test_every_method_and_variant_builds_its_transform():
     assert isinstance(tx.init(params), states[config.name]), name
   assert method_config("dlgs-paper").refresh_below is None
   assert method_config("lags-head", min_ndim=1).send_whole == ("head",)
+  both = method_config("dlgs-paper-head")
+  assert both.refresh_below is None and both.send_whole == ("head",)
 
 
 def test_declared_properties_select_the_methods_other_layers_use():
