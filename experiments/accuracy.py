@@ -64,7 +64,8 @@ def parse_args(argv=None):
                       help="dlgs-train methods, or a variant: dlgs-paper (the paper's fixed "
                       "threshold schedule, --refresh-below none), dlgs-whole1d / lags-whole1d "
                       "(biases and BatchNorm parameters sent whole, --min-ndim 2), dlgs-head / "
-                      "lags-head (the classifier head sent whole, --send-whole head)")
+                      "lags-head (the classifier head sent whole, --send-whole head), "
+                      "dlgs-paper-head (both)")
   parser.add_argument("--densities", default="0.1,0.01")
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--epochs", type=int, default=20)
