@@ -26,9 +26,9 @@ dense inside a node, the method between nodes.
 With several seeds the table gives each configuration's mean and sample
 standard deviation, and its gap to dense taken seed by seed; --versus A:B adds
 A's gap to B the same way (e.g. dlgs-paper:dlgs, the two threshold rules).
---merge joins the
-results.json of runs made separately (e.g. one seed per job) into one table
-and one figure, without training; it refuses files whose settings differ.
+--merge joins the results.json of runs made separately (e.g. one seed per job)
+into one table and one figure, without training; it refuses files whose
+settings differ.
 """
 
 from __future__ import annotations
