@@ -60,11 +60,12 @@ def full_steps() -> list[tuple[str, list[str]]]:
                + [(m, 0.1, 2) for m in ("dense", "dlgs-paper", "dlgs")]
                + [("dlgs-paper-head", 0.1, s) for s in (0, 1)]
                + [(m, 0.01, s) for s in (0, 1) for m in ("dlgs-paper", "dlgs", "topk")])
-  accuracy_full = [(f"accuracy_full_{m}{'' if d == 0.1 else f'_{d:g}'}_seed{s}", [
+  # A run's name is its step's (after "accuracy_full_") and its results folder's.
+  named = [(f"{m}{'' if d == 0.1 else f'_{d:g}'}_seed{s}", m, d, s) for m, d, s in full_runs]
+  accuracy_full = [(f"accuracy_full_{name}", [
       e + "accuracy.py", "--methods", m, "--densities", f"{d:g}", "--epochs", "30",
-      "--seeds", str(s), "--data-dir", FULL_CIFAR10, "--out-dir",
-      f"{r}accuracy_full/{m}{'' if d == 0.1 else f'_{d:g}'}_seed{s}", "--runs-dir",
-      "runs/accuracy_full"]) for m, d, s in full_runs]
+      "--seeds", str(s), "--data-dir", FULL_CIFAR10, "--out-dir", f"{r}accuracy_full/{name}",
+      "--runs-dir", "runs/accuracy_full"]) for name, m, d, s in named]
   # The table of the runs that have landed: means, gaps to dense paired by seed, curves,
   # and the two threshold rules paired (the default rule is decided on it).
   landed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / r / "accuracy_full").glob(
