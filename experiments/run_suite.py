@@ -168,6 +168,8 @@ def full_steps() -> list[tuple[str, list[str]]]:
           "--keep-profiles", "--out-dir", r + "compare/resnet50_update_program"]),
       ("sparsify", [e + "bench_sparsify.py"]),
       ("gpu_check", [e + "gpu_check.py"]),  # on a GPU: the device check, ~8 minutes
+      ("gpu_profile", [e + "gpu_profile.py", "--methods", "topk", "dlgs-paper", "dlgs",
+                       "--out-dir", r + "gpu_profile"]),  # on a GPU, ~1 minute
       ("gpu_check_cpu", [e + "gpu_check.py", "--models", "vgg16", "resnet50", "--densities",
                          "0.01", "--methods", "dense", "dlgs-paper", "dlgs", "--one-group",
                          "--rounds", "5", "--no-forward-backward", "--out",
