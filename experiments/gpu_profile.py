@@ -121,30 +121,48 @@ def profile(args) -> dict:
   return result
 
 
-def device_events(trace: Path) -> dict[str, list[tuple[str, float, float]]]:
-  """``(name, start_ns, duration_ns)`` per line of the trace's device planes (``/device:*``).
+# The host's spans in XLA:GPU's runtime that say where a call's time goes when
+# the device idles: the CUDA graph ("command buffer") rebuilt for each call's
+# buffers, its launch, and the call's own bookkeeping.
+HOST_SPANS = ("command_buffer::update", "command_buffer::execute", "cuGraphLaunch",
+              "Build buffer allocations", "ParseArguments")
 
-  Reads ``.xplane.pb`` or its gzip. Needs `xprof` (``pip install xprof``).
+
+def trace_events(trace: Path) -> tuple[dict, dict]:
+  """The device's and the host's events of a trace (``.xplane.pb`` or its gzip).
+
+  Needs `xprof` (``pip install xprof``).
+
+  Returns:
+    ``(lines, host)``: per line of the device planes (``/device:*``) its
+    ``(name, start_ns, duration_ns)`` events; per name of `HOST_SPANS` (a
+    prefix) the host's total ms in it.
   """
   from xprof.profile_data import ProfileData  # optional: not a dependency of the library
 
   raw = trace.read_bytes()
   if trace.suffix == ".gz":
     raw = gzip.decompress(raw)
-  lines = collections.defaultdict(list)
+  lines, host = collections.defaultdict(list), dict.fromkeys(HOST_SPANS, 0.0)
   with ProfileData.from_serialized_xspace(raw) as data:
     for plane in data.planes:
-      if plane.name.startswith("/device:"):
-        for line in plane.lines:
-          lines[line.name] += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
-  return dict(lines)
+      for line in plane.lines:
+        events = [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+        if plane.name.startswith("/device:"):
+          lines[line.name] += events
+        elif plane.name.startswith("/host:"):
+          for name, _, ns in events:
+            span = next((h for h in HOST_SPANS if name.startswith(h)), None)
+            if span:
+              host[span] += ns / 1e6
+  return dict(lines), host
 
 
 def kernel_table(lines: dict, top: int, wait_ns: float = 1e5) -> dict:
   """The device's kernels in a trace: busy time, idle waits, and the costliest kernels.
 
   Args:
-    lines: `device_events`'s output; every line but XLA's summaries holds kernels.
+    lines: `trace_events`'s device lines; every line but XLA's summaries holds kernels.
     top: how many kernel names to list, by summed time.
     wait_ns: an idle gap between consecutive kernels (any stream) at least this
       long counts as a wait: the host reading a conditional's predicate, or
@@ -181,13 +199,15 @@ def read(folder: Path, top: int) -> int:
     print(f"--read: no *.xplane.pb in {folder}; run without --read on a device first")
     return 1
   for trace in traces:
-    table = kernel_table(device_events(trace), top)
+    lines, host = trace_events(trace)
+    table = kernel_table(lines, top)
     if not table:
       print(f"\n{trace.name}: no device kernels (a CPU trace)")
       continue
     print(f"\n{trace.name}: {table['launches']} kernel launches; of "
           f"{table['span_ms']:.2f} ms the device computes {table['busy_ms']:.2f} and waits "
           f"{table['wait_ms']:.2f} in {table['waits']} gaps of >= 0.1 ms")
+    print("host: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in host.items()))
     print("| kernel | ms | launches |\n|---|---|---|")
     for name, ms, n in table["kernels"]:
       print(f"| {name[:80]} | {ms:.3f} | {n} |")
