@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -248,10 +249,11 @@ def format_table(result: dict) -> str:
 
 
 def machine() -> dict:
+  """The backend, device and JAX version, and the XLA flags a variant ran under."""
   device = jax.devices()[0]
   return {"backend": jax.default_backend(), "device": device.device_kind,
           "devices": jax.device_count(), "platform": platform.platform(),
-          "jax": jax.__version__}
+          "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def write(out: Path, result: dict) -> None:

@@ -6,6 +6,7 @@ its floor; and the same at small sizes on CPU (the tests run it):
     python experiments/gpu_profile.py --out-dir OUT                  # VGG16, density 0.01
     python experiments/gpu_profile.py --models smallcnn --out-dir OUT   # CPU, small
     python experiments/gpu_profile.py --read OUT                     # kernels per step (xprof)
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python experiments/gpu_profile.py --out-dir OUT2
 
 Per model and method (`gpu_check.transforms`, every leaf in one group):
 
@@ -20,8 +21,11 @@ Per model and method (`gpu_check.transforms`, every leaf in one group):
   program.
 
 ``--read`` needs the `xprof` package (``pip install xprof``; not a dependency of
-the library): it sums the device's kernel time of each trace by kernel name and
-prints the kernels that take most of it, with the number of launches.
+the library). Per trace it prints how much of the period the device computes and
+how much it waits, the host's time in XLA:GPU's CUDA graph (rebuilt for each
+call's buffers, then launched), and the kernels that take most device time. A
+variant under other XLA flags (the last usage line: no CUDA graphs) is recorded
+with its flags in ``profile.json``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The device profile script: step times on CPU, and the kernel table of a trace."""
 
 import json
+import os
 
 import pytest
 
@@ -35,6 +36,7 @@ def test_gpu_profile_times_each_step_of_a_period_and_traces_the_dlgs_rules(tmp_p
   result = json.loads((tmp_path / "profile.json").read_text())
   rows = {r["method"]: r for r in result["rows"]}
   assert set(rows) == {"topk", "dlgs-paper"} and result["machine"]["backend"] == "cpu"
+  assert result["machine"]["xla_flags"] == os.environ.get("XLA_FLAGS", "")
   paper = rows["dlgs-paper"]
   # The paper's schedule: every leaf exact on the period's first step, none on the other.
   assert [s["exact_leaves"] for s in paper["steps"]] == [paper["steps"][0]["exact_leaves"], 0]
