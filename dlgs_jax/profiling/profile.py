@@ -79,7 +79,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
                   batches: Optional[tuple[np.ndarray, np.ndarray]] = None,
                   barrier: Optional[Callable[[], Any]] = None,
                   in_step_rounds: int = IN_STEP_ROUNDS,
-                  comm_axis: Optional[str] = None,
+                  comm_axis: Optional[str] = None, time_comm: bool = True,
                   progress: Callable[[str], None] = lambda message: None) -> tuple[Profile, dict]:
   """Measures a full profile of model `name` on this machine.
 
@@ -113,6 +113,8 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
     comm_axis: the mesh axis the workers exchange over (default: the mesh's
       first); on a node mesh "node" profiles the exchange between nodes (the
       profile's workers are then the nodes).
+    time_comm: False leaves the collectives unmeasured (``profile.comm`` empty),
+      for a caller that models the network instead (`Profile.with_comm`).
     progress: called with a message before each phase.
 
   Returns:
@@ -161,7 +163,7 @@ def profile_model(name: str, *, density: float, batch_size: int = 32,
   comm_axis = mesh.axis_names[0] if comm_axis is None else comm_axis
   workers = int(mesh.shape[comm_axis])
   comm, comm_raw = {}, {}
-  if workers > 1:
+  if workers > 1 and time_comm:
     progress(f"timing collectives on {workers} workers")
     comm, comm_raw = measure_comm(mesh, comm_grid(total), density, repeats=repeats,
                                   axis=comm_axis)

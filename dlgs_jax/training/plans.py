@@ -106,7 +106,8 @@ def _profile(config: RunConfig, mesh, workers: int, log) -> Profile:
         config.model.name, density=method.density, batch_size=config.data.batch_size,
         image_size=config.data.image_size, mesh=mesh, reuse_every=method.reuse_every,
         seed=config.seed, refresh_below=method.refresh_below if method.name == "dlgs" else None,
-        methods=(method.name,), comm_axis="node" if fast_size > 1 else None)
+        methods=(method.name,), comm_axis="node" if fast_size > 1 else None,
+        time_comm=not settings.bandwidth, progress=lambda phase: log(f"  {phase} ..."))
   if settings.bandwidth:
     # A node's devices share its link: each gets 1/fast_size of it.
     profile = profile.with_comm(

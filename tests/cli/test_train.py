@@ -216,6 +216,9 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
   assert (plan.workers, plan.fast_size) == (2, 2) and plan.fast_link["beta"] > 0
   assert "timing the all-reduce inside a node (2 devices)" in result.stdout
   assert "planned groups (optimal)" in result.stdout
+  # Each phase of the profile is named; collectives a modelled network replaces are not timed.
+  assert "  timing the local update of dlgs ..." in result.stdout
+  assert "timing collectives" not in result.stdout
   profile = Profile.from_dict(plan.profile)
   assert "1gbit" in profile.source and profile.t_forward > 0
   # Between nodes the modelled link is shared by a node's 2 devices: 1 Gbit/s / 2 each.
