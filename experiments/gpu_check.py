@@ -102,11 +102,11 @@ def transforms(density: float, reuse_every: int, params) -> list[tuple[str, str,
 
 
 def compiled_update(tx, grads):
-  """``tx.update`` compiled ahead of time, and the counts of that program."""
+  """``tx.update`` compiled ahead of time, the counts of that program, and its HLO text."""
   state = tx.init(grads)
   executable = jax.jit(tx.update).lower(grads, state).compile()
-  counts = programs.count_hlo(executable.as_text())
-  return (lambda g, s, params=None: executable(g, s)), counts
+  hlo = executable.as_text()
+  return (lambda g, s, params=None: executable(g, s)), programs.count_hlo(hlo), hlo
 
 
 def paired_ratio(first, second, rounds: int) -> tuple[float, float, float]:
@@ -170,7 +170,7 @@ def forward_backward_ms(name: str, batch: int, side: int, rounds: int) -> float:
 
 def update_row(name, density, method, group, tx, gradients, floor, rounds) -> dict:
   """One method's update on one model and density, with its floor ratio and program counts."""
-  update, counts = compiled_update(tx, gradients[0])
+  update, counts, _ = compiled_update(tx, gradients[0])
   run, exact = schedule_period(tx, gradients, update=update)
   floor_s, update_s, ratio = paired_ratio(floor, run, rounds)
   steps = len(gradients)

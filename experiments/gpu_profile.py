@@ -50,8 +50,7 @@ from bench_sparsify import step_gradients  # noqa: E402
 from dlgs_jax.compress.state import comm_stats  # noqa: E402
 from dlgs_jax.profiling.update import warm_state  # noqa: E402
 from dlgs_jax.workload import models  # noqa: E402
-from dlgs_jax.profiling import programs  # noqa: E402
-from gpu_check import machine, transforms, write  # noqa: E402
+from gpu_check import compiled_update, machine, transforms, write  # noqa: E402
 
 METHODS = ("topk", "lags", "dlgs-paper", "dlgs")
 TRACED = ("dlgs-paper", "dlgs")
@@ -104,9 +103,7 @@ def profile(args) -> dict:
     for method, group, tx in transforms(args.density, args.reuse_every, params):
       if method not in args.methods or group == "default":
         continue
-      executable = jax.jit(tx.update).lower(gradients[0], tx.init(gradients[0])).compile()
-      update, hlo = (lambda g, s, params=None: executable(g, s)), executable.as_text()
-      counts = programs.count_hlo(hlo)
+      update, counts, hlo = compiled_update(tx, gradients[0])
       warmed = warm_state(update, tx.init(gradients[0]), gradients, None,
                           WARM_PERIODS * len(gradients))
       steps = step_times(update, gradients, warmed, args.rounds)
