@@ -24,9 +24,12 @@ HERE = Path(__file__).resolve().parent
 CLUSTER_STEPS = ("cluster", "compare", "predict", "update_program", "overlap")
 # Environment a step adds to this process's: XLA's CPU scheduler told to interleave;
 # four simulated devices in one process.
+# XLA:GPU without CUDA graphs: each kernel launched on its own, nothing to rebuild per call.
+NO_GRAPHS = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
 STEP_ENV = {"overlap_interleaved": {
     "XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"},
-    "in_process_resnet20": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}}
+    "in_process_resnet20": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    "gpu_profile_no_graphs": NO_GRAPHS, "gpu_check_no_graphs": NO_GRAPHS}
 ROOT = HERE.parent
 # The official binary CIFAR-10, beside the repository.
 FULL_CIFAR10 = "../shared/data/cifar-10-batches-bin"
@@ -170,6 +173,11 @@ def full_steps() -> list[tuple[str, list[str]]]:
       ("gpu_check", [e + "gpu_check.py"]),  # on a GPU: the device check, ~8 minutes
       ("gpu_profile", [e + "gpu_profile.py", "--methods", "topk", "dlgs-paper", "dlgs",
                        "--out-dir", r + "gpu_profile"]),  # on a GPU, ~1 minute
+      ("gpu_profile_no_graphs", [e + "gpu_profile.py", "--methods", "topk", "dlgs-paper",
+                                 "dlgs", "--out-dir", r + "gpu_profile/no_graphs"]),
+      ("gpu_check_no_graphs", [e + "gpu_check.py", "--densities", "0.01", "--one-group",
+                               "--no-forward-backward", "--budget-s", "150", "--out",
+                               r + "gpu_check/gpu_no_graphs.json"]),  # on a GPU, ~3 minutes
       ("gpu_check_cpu", [e + "gpu_check.py", "--models", "vgg16", "resnet50", "--densities",
                          "0.01", "--methods", "dense", "dlgs-paper", "dlgs", "--one-group",
                          "--rounds", "5", "--no-forward-backward", "--out",
