@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import importlib.util
 import shutil
 import statistics
 import sys
@@ -198,6 +199,9 @@ def read(folder: Path, top: int) -> int:
   traces = sorted(folder.glob("*.xplane.pb*"))
   if not traces:
     print(f"--read: no *.xplane.pb in {folder}; run without --read on a device first")
+    return 1
+  if importlib.util.find_spec("xprof") is None:
+    print("--read needs the xprof package to parse traces: pip install xprof")
     return 1
   for trace in traces:
     lines, host = trace_events(trace)

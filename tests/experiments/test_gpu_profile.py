@@ -62,3 +62,12 @@ def test_gpu_profile_refuses_bad_flags_before_any_work(flags, message, capsys):
 def test_gpu_profile_read_names_a_folder_without_traces(tmp_path, capsys):
   assert load("gpu_profile").main(["--read", str(tmp_path)]) == 1
   assert f"no *.xplane.pb in {tmp_path}" in capsys.readouterr().out
+
+
+def test_gpu_profile_read_without_xprof_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+  profile = load("gpu_profile")
+  (tmp_path / "m_dlgs.xplane.pb").write_bytes(b"")
+  monkeypatch.setattr(profile.importlib.util, "find_spec", lambda name: None)
+  assert profile.main(["--read", str(tmp_path)]) == 1
+  assert "--read needs the xprof package to parse traces: pip install xprof" in \
+      capsys.readouterr().out
