@@ -446,10 +446,10 @@ def markdown_seeds(results) -> str:
   """
   dense = {r["seed"]: final_accuracy(r) for r in results if r["method"] == "dense"}
 
-  def spread(values):
-    values = np.asarray(values, dtype=float)
-    sd = values.std(ddof=1) if len(values) > 1 else float("nan")
-    return f"{values.mean():.1f} ± {sd:.1f}"
+  def spread(values, fmt=".1f", unit=""):
+    # One seed has no spread: its value alone.
+    mean = f"{np.mean(values):{fmt}}"
+    return f"{mean} ± {np.std(values, ddof=1):.1f}{unit}" if len(values) > 1 else mean + unit
 
   lines = ["| method | density | seeds | final test acc (mean ± sd) | per seed | vs dense, paired "
            "(points, mean ± sd) | final test loss | final train loss | MB sent/worker/step | "
@@ -457,13 +457,17 @@ def markdown_seeds(results) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
   for (method, density), runs in by_configuration(results).items():
     accuracies = [final_accuracy(r) for r in runs]
-    gaps = [final_accuracy(r) - dense[r["seed"]] for r in runs if r["seed"] in dense]
+    paired = [r for r in runs if r["seed"] in dense]
+    gaps = spread([final_accuracy(r) - dense[r["seed"]] for r in paired], "+.1f") \
+        if paired else ""
+    if 0 < len(paired) < len(runs):  # only the seeds dense also ran are paired
+      gaps += f" (seed {','.join(str(r['seed']) for r in paired)} only)"
     sent = [bytes_sent(r["summary"]) for r in runs]
     lines.append(
         f"| {method} | {'-' if density is None else format(density, 'g')} | "
-        f"{','.join(str(r['seed']) for r in runs)} | {spread(accuracies)}% | "
+        f"{','.join(str(r['seed']) for r in runs)} | {spread(accuracies, unit='%')} | "
         f"{' / '.join(f'{a:.1f}' for a in accuracies)} | "
-        f"{spread(gaps) if len(gaps) == len(runs) else ''} | "
+        f"{gaps} | "
         f"{np.mean([r['epochs'][-1]['test_loss'] for r in runs]):.3f} | "
         f"{np.mean([r['epochs'][-1].get('train_loss', np.nan) for r in runs]):.3f} | "
         f"{'' if None in sent else format(np.mean(sent) / 1e6, '.3f')} | "

@@ -231,8 +231,16 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
   assert cells[:3] == ["dlgs", "0.1", "0,1,2"]
   assert cells[3] == f"{np.mean(sparse) * 100:.1f} ± {np.std(np.multiply(sparse, 100), ddof=1):.1f}%"
   assert cells[4] == "69.0 / 71.0 / 73.0"
-  assert cells[5] == f"{gaps.mean():.1f} ± {gaps.std(ddof=1):.1f}"
+  assert cells[5] == f"{gaps.mean():+.1f} ± {gaps.std(ddof=1):.1f}"
   assert cells[7] == "1.500" and cells[8] == "2.000"
+  # A configuration with a seed dense lacks: its value alone where one seed, and the
+  # gap over the seeds dense ran, named.
+  rows = accuracy.markdown(results[:1] + results[3:]).splitlines()
+  cells = [c.strip() for c in rows[2].strip("|").split("|")]
+  assert cells[:4] == ["dense", "-", "0", "70.0%"]
+  cells = [c.strip() for c in rows[3].strip("|").split("|")]
+  assert cells[3] == f"{np.mean(sparse) * 100:.1f} ± {np.std(np.multiply(sparse, 100), ddof=1):.1f}%"
+  assert cells[5] == f"{gaps[0]:+.1f} (seed 0 only)"
   # One seed keeps the per-run table.
   assert "seeds" not in accuracy.markdown([results[0], results[3]]).splitlines()[0]
 
