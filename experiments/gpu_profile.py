@@ -58,13 +58,6 @@ TRACED = ("dlgs-paper", "dlgs")
 WARM_PERIODS = 2
 
 
-def period(update, gradients: list, state):
-  """`update` once per gradient from `state`; returns the last state."""
-  for grads in gradients:
-    state = update(grads, state)[1]
-  return state
-
-
 def step_times(update, gradients: list, warmed, rounds: int) -> list[dict]:
   """Each step of one period from ``warmed``, timed alone: median ms and exact leaves."""
   times = [[] for _ in gradients]
@@ -87,7 +80,7 @@ def trace_period(update, gradients: list, warmed, out: Path) -> bool:
   """One period under JAX's profiler, its xplane.pb copied to `out`; False if none was written."""
   with tempfile.TemporaryDirectory() as folder:
     with jax.profiler.trace(folder):
-      jax.block_until_ready(period(update, gradients, warmed))
+      warm_state(update, warmed, gradients, None, len(gradients))  # one period, waited for
     found = sorted(Path(folder).rglob("*.xplane.pb"))
     if found:
       shutil.copyfile(found[-1], out)
@@ -167,8 +160,9 @@ def kernel_table(lines: dict, top: int, wait_ns: float = 1e5) -> dict:
     lines: `trace_events`'s device lines; every line but XLA's summaries holds kernels.
     top: how many kernel names to list, by summed time.
     wait_ns: an idle gap between consecutive kernels (any stream) at least this
-      long counts as a wait: the host reading a conditional's predicate, or
-      the host's dispatch of the next call when nothing is queued.
+      long counts as a wait: the device has nothing queued while the host works
+      (updating and launching a call's CUDA graph, reading a predicate,
+      dispatching the next call; the host spans of `trace_events` say which).
 
   Returns:
     {} without kernels; else ``busy_ms``, ``span_ms`` (first start to last end),
