@@ -45,8 +45,9 @@ class MethodConfig:
     reuse_every: DLGS: exact thresholds every this many steps.
     refresh_below: DLGS: recompute a group's thresholds early when they send
       fewer than this fraction of k (or overflow); None: the paper's schedule.
-    candidates: DLGS: thresholds each leaf tries on a reuse step (multiples of
-      its reused one, interpolated between); 1: the reused one only.
+    candidates: DLGS with `refresh_below` set: thresholds each leaf tries on a
+      reuse step (multiples of its reused one, interpolated between); 1: the
+      reused one only.
     min_ndim: LAGS/DLGS: leaves with fewer dimensions are sent whole.
     send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
       layer (found from the backward order).
@@ -88,6 +89,9 @@ class MethodConfig:
     if (isinstance(self.candidates, bool) or not isinstance(self.candidates, int)
         or not 1 <= self.candidates <= 16):
       raise ConfigError("candidates", self.candidates, "must be an integer in [1, 16]")
+    if self.refresh_below is None and self.candidates != MethodConfig.candidates:
+      raise ConfigError("candidates", self.candidates, "candidates apply only with refresh_below "
+                        "set (--refresh-below 0.5); the paper's schedule (none) has none")
     if self.min_ndim < 0:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
     if self.collective not in ("allgather", "gtopk"):

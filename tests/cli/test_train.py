@@ -262,6 +262,8 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
     (["--nonfinite-limit", "0"], "--nonfinite-limit 0 is invalid"),
     (["--wire-dtype", "float16"], "--wire-dtype 'float16' is invalid: choose from"),
     (["--candidates", "0"], "--candidates 0 is invalid: must be an integer in [1, 16]"),
+    (["--refresh-below", "none", "--candidates", "3"],
+     "--candidates 3 is invalid: candidates apply only with refresh_below set"),
     (["--method", "gtopk", "--wire-dtype", "bfloat16"],
      "--wire-dtype 'bfloat16' is invalid: applies to dense, topk, lags, dlgs, not gtopk"),
     (["--collective", "gtopk", "--wire-dtype", "bfloat16"],

@@ -59,6 +59,7 @@ def test_configurations_run_density_free_methods_once():
     (MethodConfig(refresh_below=1.5), "refresh_below"),
     (MethodConfig(candidates=0), "candidates"),
     (MethodConfig(candidates=2.0), "candidates"),
+    (MethodConfig(refresh_below=None, candidates=3), "candidates"),
     (MethodConfig(min_ndim=-1), "min_ndim"),
     (MethodConfig(name="topk", min_ndim=2), "min_ndim"),
     (MethodConfig(name="dgc", send_whole=("head",)), "send_whole"),
