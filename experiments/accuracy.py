@@ -176,6 +176,8 @@ def threshold_stats(steps, model: str, density: float, fast_size: int = 1, *,
                     one_group: bool = False, few_exact: bool = False) -> dict:
   """Share of thresholds computed exactly, and values sent per step against k (sum of k_l).
 
+  ``sent_over_k_by_epoch`` is the mean per epoch (steps without an epoch count as epoch 0).
+
   Per step the metrics hold one worker's values sent and leaves recomputed; in
   two levels (`fast_size` devices per node) a worker selects on its 1/fast_size
   slice of each leaf, with that slice's k. With the whole model in one group
@@ -196,8 +198,10 @@ def threshold_stats(steps, model: str, density: float, fast_size: int = 1, *,
     regrouped = (leaves - sum(few)) / (len(sizes) - sum(few))  # steps the group recomputed
     few_values = sum(size for size, f in zip(sizes, few) if f) / sum(sizes)
     values_share = float(np.mean(regrouped + (1 - regrouped) * few_values))
+  epochs = np.array([step.get("epoch", 0) for step in steps])
+  by_epoch = [float(sent[epochs == e].mean()) for e in np.unique(epochs)]
   return {"exact_share": float(exact.mean()), "exact_values_share": values_share,
-          "sent_over_k_mean": float(sent.mean()),
+          "sent_over_k_mean": float(sent.mean()), "sent_over_k_by_epoch": by_epoch,
           "sent_over_k_sd": float(sent.std()),
           "sent_over_k_p10": float(np.percentile(sent, 10)),
           "sent_over_k_p90": float(np.percentile(sent, 90))}
@@ -540,7 +544,11 @@ def plot(results, meta, path):
 
   densities = sorted({r["density"] for r in results if r["density"] is not None}, reverse=True)
   densities = densities or [None]
-  fig, axes = plt.subplots(2, len(densities), figsize=(5 * len(densities), 7), squeeze=False)
+  # A third row where DLGS ran: how much its thresholds let through, against k.
+  sent = any("sent_over_k_by_epoch" in r["summary"].get("threshold_stats", {}) for r in results)
+  rows = 3 if sent else 2
+  fig, axes = plt.subplots(rows, len(densities), figsize=(5 * len(densities), 3.5 * rows),
+                           squeeze=False)
   for column, density in enumerate(densities):
     for (method, run_density), runs in by_configuration(results).items():
       if run_density not in (density, None):
@@ -554,11 +562,18 @@ def plot(results, meta, path):
       style = {"color": "black", "linewidth": 2} if method == "dense" else {}
       axes[0][column].plot(epochs, accuracy, label=label, **style)
       axes[1][column].plot(epochs, train_loss, label=label, **style)
+      curves = [r["summary"].get("threshold_stats", {}).get("sent_over_k_by_epoch")
+                for r in runs]
+      if sent and all(curves):
+        axes[2][column].plot(range(1, len(curves[0]) + 1), np.mean(curves, axis=0), label=label)
     title = f"density {density:g}" if density is not None else ""
     axes[0][column].set_title(f"{meta['model']}, {meta['workers']} workers, {title}", fontsize=9)
     axes[0][column].set_ylabel("test accuracy (%)")
     axes[1][column].set_ylabel("train loss (epoch mean)")
-    axes[1][column].set_xlabel("epoch")
+    axes[rows - 1][column].set_xlabel("epoch")
+    if sent:
+      axes[2][column].set_ylabel("values sent / k (epoch mean)")
+      axes[2][column].axhline(1.0, color="grey", linewidth=0.8)
     axes[0][column].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

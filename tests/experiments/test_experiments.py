@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 import json
 import math
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -314,10 +315,15 @@ def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settin
   def run(method, density, seed):
     curve = rng.uniform(0.3, 0.8, 20)
     curves[method, seed] = curve * 100
+    summary = {"bytes_sent_per_step": 1e6, "seconds": 60.0}
+    if method == "dlgs":  # its values sent against k, per epoch: a third row of curves
+      steps = [{"selected": 1000 * (1 + e % 2), "exact": 59 * (e % 2), "epoch": e // 2}
+               for e in range(40)]
+      summary["threshold_stats"] = accuracy.threshold_stats(steps, "resnet20", 0.1)
     return {"method": method, "density": density, "seed": seed,
             "epochs": [{"epoch": e, "test_accuracy": float(a), "test_loss": 1.0,
                         "train_loss": 0.5} for e, a in enumerate(curve)],
-            "summary": {"bytes_sent_per_step": 1e6, "seconds": 60.0}}
+            "summary": summary}
 
   meta = {"model": "resnet20", "workers": 4, "epochs": 20, "batch_size": 32, "lr": 0.1,
           "data": "embedded"}
@@ -340,7 +346,9 @@ def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settin
       ("dense", 0), ("dlgs", 0), ("dlgs", 1), ("dense", 1), ("dense", 2), ("dlgs", 2)]
   assert merged["meta"]["seeds"] == [0, 1, 2] and merged["meta"]["merged"] == [first, second]
   assert merged["meta"]["epochs"] == 20 and merged["meta"]["command"].endswith(str(out))
-  assert (out / "curves.png").stat().st_size > 0
+  # Accuracy, train loss and DLGS's values sent / k: three rows of 3.5 inches at 110 dpi.
+  width, height = struct.unpack(">II", (out / "curves.png").read_bytes()[16:24])  # PNG's IHDR
+  assert height == 3 * 385 and width == 550
   table = (out / "results.md").read_text()
   assert "| dlgs | 0.1 | 0,1,2 |" in table
   # The paired gaps under each measure, against NumPy on the same curves.
@@ -399,6 +407,10 @@ def test_accuracy_trains_a_name_with_2l_in_two_levels_and_counts_its_slices_k(tm
   steps = [{"selected": k_slices, "exact": len(sizes)}, {"selected": k_slices // 2, "exact": 0}]
   stats = accuracy.threshold_stats(steps, "resnet20", 0.1, fast_size=2)
   assert stats["sent_over_k_mean"] == pytest.approx(0.75, abs=1e-3)
+  assert stats["sent_over_k_by_epoch"] == pytest.approx([0.75], abs=1e-3)
+  by_epoch = accuracy.threshold_stats([dict(s, epoch=e) for e, s in enumerate(steps)],
+                                      "resnet20", 0.1, fast_size=2)["sent_over_k_by_epoch"]
+  assert by_epoch == pytest.approx([1.0, 0.5], abs=1e-3)
   assert stats["exact_share"] == 0.5
   assert accuracy.threshold_stats(steps, "resnet20", 0.1)["sent_over_k_mean"] < 0.6
   assert stats["exact_values_share"] is None
