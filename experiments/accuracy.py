@@ -574,7 +574,7 @@ def plot(results, meta, path):
     if sent:
       axes[2][column].set_ylabel("values sent / k (epoch mean)")
       axes[2][column].axhline(1.0, color="grey", linewidth=0.8)
-      axes[2][column].set_ylim(0, 1.05)  # buffers hold k: a run never sends more
+      axes[2][column].set_ylim(bottom=0)  # how far below k a rule falls is the point
     axes[0][column].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
