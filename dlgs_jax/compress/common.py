@@ -154,8 +154,8 @@ def check_mapped(grads, axis_name) -> None:
     ValueError: in one line with the fix, when `axis_name` is not a mapped axis
       here (no axis at all: the update was called outside shard_map, pmap and
       vmap), or when it is None while shard_map types the gradients as
-      varying over a mesh axis (the transform would compress locally and never
-      communicate).
+      varying over a mesh axis, or vmap or pmap binds a named axis (the
+      transform would compress locally and never communicate).
   """
   axes = axes_of(axis_name)
   missing = [axis for axis in axes if not collectives.is_bound(axis)]
@@ -179,6 +179,14 @@ def check_mapped(grads, axis_name) -> None:
           f"the gradients vary over the mesh axes {varying} but the transform was built "
           f"with axis_name=None, so it would never communicate: build it with "
           f"axis_name={varying[0]!r}")
+    # vmap and pmap type nothing: a named axis there exists for collectives, and
+    # each worker would train alone (the loss still falls: nothing else would say so).
+    untyped = [axis for axis in bound if not types_checked(axis)]
+    if untyped:
+      raise ValueError(
+          f"the transform was built with axis_name=None but runs under the mapped axes "
+          f"{untyped}, so each worker would compress alone and never communicate: build "
+          f"it with axis_name={untyped[0]!r} (or map without an axis name)")
 
 
 def check_per_worker(grads, count, axis_name) -> None:

@@ -24,9 +24,9 @@ gradients or a state typed replicated are refused (`common.check_per_worker`);
 gradient densely before this transform sees it; the transform then compresses
 an already-averaged gradient and reports 0 bytes sent, while the dense traffic
 it exists to avoid has happened. Map the step instead (`dlgs_jax.data_parallel`,
-or shard_map / pmap / vmap with the same `axis_name`). Inside shard_map a
-forgotten `axis_name` is refused (`common.check_mapped`); under `jax.jit` it
-cannot be seen.
+or shard_map / pmap / vmap with the same `axis_name`). A forgotten `axis_name`
+is refused (`common.check_mapped`) inside shard_map and under a vmap or pmap
+with a named axis; under `jax.jit` it cannot be seen.
 
 Non-finite gradients: when any worker's gradient contains a NaN or an infinity
 (``skip_nonfinite=True``, the default), every worker skips the step -- the

@@ -113,6 +113,25 @@ def test_an_axis_the_update_does_not_run_under_is_named_with_the_fix(name):
 
 
 @pytest.mark.parametrize("name", ["dense", "dlgs"])
+def test_a_forgotten_axis_name_under_a_named_vmap_or_pmap_is_named_with_the_fix(name):
+  # Simulated workers that never communicate would still train, each alone.
+  import jax
+
+  tx = BUILDERS[name](None)
+  grads = {k: np.ones((W,) + v.shape, np.float32) for k, v in PARAMS.items()}
+  state = jax.vmap(lambda _: tx.init(PARAMS))(np.arange(W))
+  message = (r"^the transform was built with axis_name=None but runs under the mapped axes "
+             r"\['data'\], so each worker would compress alone and never communicate: build "
+             r"it with axis_name='data'")
+  for mapped in (jax.vmap, jax.pmap):
+    with pytest.raises(ValueError, match=message):
+      mapped(tx.update, axis_name="data")(grads, state)
+  # Mapped without an axis name (per-example work, an ensemble): each runs alone, as asked.
+  updates, _ = jax.vmap(tx.update)(grads, state)
+  assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(grads)
+
+
+@pytest.mark.parametrize("name", ["dense", "dlgs"])
 def test_a_forgotten_axis_name_under_shard_map_is_named_with_the_fix(name):
   import jax
   from jax.sharding import PartitionSpec as P
