@@ -320,6 +320,12 @@ def with_passive_leaves(tx: optax.GradientTransformation,
     return jax.tree_util.tree_map(lambda x: None if is_passive(x) else x, tree)
 
   def init_fn(params):
+    leaves = jax.tree_util.tree_leaves(params)
+    if leaves and all(is_passive(x) for x in leaves):
+      kinds = sorted({f"{jnp.result_type(x)}{list(np.shape(x))}" for x in leaves})
+      raise ValueError(f"the parameter tree has nothing to communicate: every leaf is "
+                       f"integer, boolean or empty ({', '.join(kinds[:4])}); pass the "
+                       f"floating-point parameters (e.g. nnx.state(model, nnx.Param))")
     return tx.init(strip(params))
 
   def update_fn(updates, state, params=None):

@@ -88,6 +88,11 @@ def test_integer_boolean_and_empty_leaves_pass_through_without_traffic(name):
     assert update[key].dtype == value.dtype and update[key].shape == value.shape
     assert not np.any(update[key])  # a zero update
   np.testing.assert_array_equal(state.stats.bytes_sent, plain_state.stats.bytes_sent)
+  # Only such leaves: nothing to communicate, said before any work.
+  with pytest.raises(ValueError, match=r"^the parameter tree has nothing to communicate: every "
+                     r"leaf is integer, boolean or empty \(bool\[2\], float32\[0, 3\], "
+                     r"int32\[5\]\); pass the floating-point parameters"):
+    BUILDERS[name]("data").init({k: mixed[k] for k in ("empty", "steps", "mask")})
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
