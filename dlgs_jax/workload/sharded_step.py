@@ -190,8 +190,10 @@ def data_parallel(
     return jitted[key]
 
   dispatched = [0]
+  workers = int(np.prod([mesh.shape[a] for a in common.axes_of(axis_name)]))
 
   def step(state: StepState, batch):
+    _check_batch(batch, workers)
     new_state, metrics = program(state)(state, batch)
     dispatched[0] += 1
     if sync_every and dispatched[0] % sync_every == 0:
@@ -200,6 +202,7 @@ def data_parallel(
 
   def compile_step(state: StepState, batch) -> None:
     # jit keeps what it compiled ahead of time: the step then runs it.
+    _check_batch(batch, workers)
     program(state).lower(state, batch).compile()
 
   return DataParallel(init, step, axis_name,
@@ -295,6 +298,17 @@ def _accumulate(loss: _Loss, params, model_state, batch, key, micro_batches: int
   (grads, model_state), (values, aux) = lax.scan(one, (zeros, model_state), (parts, keys))
   mean = lambda x: jnp.mean(x, axis=0)
   return grads, mean(values), model_state, jax.tree_util.tree_map(mean, aux)
+
+
+def _check_batch(batch, workers: int) -> None:
+  """Refuses a batch whose leaves' leading axis does not split evenly over the workers."""
+  for leaf in jax.tree_util.tree_leaves(batch):
+    rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+    if rows is None or rows % workers:
+      raise ValueError(
+          f"a batch leaf of shape {tuple(jnp.shape(leaf))} does not split over the {workers} "
+          f"workers: give every leaf a leading (batch) axis of a multiple of {workers}, "
+          f"e.g. {max(workers, (rows or 0) // workers * workers)}")
 
 
 def _split_rows(x, parts: int):

@@ -246,6 +246,13 @@ def test_micro_batches_accumulate_and_communicate_once():
   assert count(text, "all_gather") == 1  # one bucket's message, once per step
   with pytest.raises(ValueError, match="micro_batches=4 does not divide a worker's batch of 6"):
     dlgs_jax.data_parallel(squared_error, tx, m, micro_batches=4).step(dp.init(PARAMS), batch)
+  # A batch that does not split over the workers: named before shard_map sees it.
+  workers, rows = m.size, len(X) - 1
+  message = (rf"^a batch leaf of shape \({rows}, \d+\) does not split over the {workers} "
+             rf"workers: give every leaf a leading \(batch\) axis of a multiple of {workers}")
+  for run in (dp.step, dp.compile):
+    with pytest.raises(ValueError, match=message):
+      run(state, (X[:-1], Y[:-1]))
 
 
 @pytest.mark.parametrize("kwargs, message", [
