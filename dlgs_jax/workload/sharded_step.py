@@ -170,6 +170,7 @@ def data_parallel(
     grads, value, new_model_state, aux = _accumulate(loss, varying, state.model_state, batch,
                                                      key, micro_batches, axis_name)
     updates, opt_state = tx.update(grads, parallel.squeeze_state(state.opt_state), state.params)
+    _check_replicated(updates, opt_state, axis_name)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": value, **aux, **_comm_metrics(opt_state)}
     new_model_state, metrics = _average(new_model_state, metrics, axis_name)
@@ -224,8 +225,7 @@ def _nnx_loss(loss_fn: Callable, graph, has_aux: bool, seed) -> Callable:
 
   def loss(params, rest, batch, *key):
     model = nnx.merge(graph, params, rest, copy=True)  # fresh variables for this trace
-    out = loss_fn(model, batch, *key)
-    value, aux = out if has_aux else (out, None)
+    value, aux = _loss_and_aux(loss_fn(model, batch, *key), has_aux, loss_fn)
     new_rest = nnx.split(model, nnx.Param, ...)[2]
     return (value, (new_rest, aux)) if has_aux else (value, new_rest)
 
@@ -269,12 +269,59 @@ class _Loss:
   def __call__(self, params, model_state, batch, key):
     args = (params, model_state, batch) if self.with_state else (params, batch)
     out = self.fn(*args, key) if self.seed is not None else self.fn(*args)
-    value, rest = out if (self.with_state or self.has_aux) else (out, None)
+    value, rest = _loss_and_aux(out, self.with_state or self.has_aux, self.fn,
+                                "new_model_state" if self.with_state else "metrics",
+                                "model_state=True" if self.with_state else "has_aux=True")
     if self.with_state:
       new_state, aux = rest if self.has_aux else (rest, {})
     else:
       new_state, aux = model_state, (rest if self.has_aux else {})
     return value, (new_state, dict(aux))
+
+
+def _check_replicated(updates, opt_state, axis_name) -> None:
+  """Refuses updates, or optimizer state outside this library's, that differ between workers.
+
+  Each worker's gradient differs; the compressor's output is the workers' mean.
+  A transform that sees the gradient first (``optax.chain(optax.adam(...),
+  dlgs(...))``, or a chain without a compressor) keeps per-worker state where
+  the step keeps one for all: found from shard_map's types, named with the fix
+  before compiling.
+  """
+  axes = set(common.axes_of(axis_name))
+  shared = parallel.map_state(lambda _: None, lambda node: node, opt_state)
+  for what, tree in (("update", updates), ("optimizer state", shared)):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if axes & collectives.varying_axes(leaf):
+        raise ValueError(
+            f"the {what} at {jax.tree_util.keystr(path)} differs between workers: no "
+            f"dlgs_jax transform averaged the gradients before it; put one first in the "
+            f"chain, e.g. optax.chain(dlgs_jax.dlgs(0.01, axis_name="
+            f"{sorted(axes, key=str)[0]!r}), optax.adamw(1e-3))")
+
+
+def _loss_and_aux(out, paired: bool, fn, second: str = "metrics", why: str = "has_aux=True"
+                  ) -> tuple:
+  """``(loss, second)`` of what a loss returned (``(out, None)`` unless `paired`).
+
+  Raises:
+    ValueError: in one line, for a pair where none was asked for or the
+      reverse, or a loss that is not a scalar.
+  """
+  name = getattr(fn, "__name__", "loss_fn")
+  if paired and not (isinstance(out, (tuple, list)) and len(out) == 2):
+    got = (f"a tuple of {len(out)}" if isinstance(out, (tuple, list)) else
+           f"one {jnp.result_type(out)}{list(jnp.shape(out))} value" if hasattr(out, "shape")
+           else f"a {type(out).__name__}")
+    raise ValueError(f"{name} must return (loss, {second}) with {why}, got {got}")
+  if not paired and isinstance(out, (tuple, list)):
+    raise ValueError(f"{name} returned a tuple of {len(out)}: return the scalar loss, or give "
+                     f"data_parallel has_aux=True for (loss, metrics)")
+  value, rest = out if paired else (out, None)
+  if jnp.ndim(value) != 0:
+    raise ValueError(f"{name} must return a scalar loss, got shape {tuple(jnp.shape(value))}: "
+                     f"take its mean over the worker's batch")
+  return value, rest
 
 
 def _accumulate(loss: _Loss, params, model_state, batch, key, micro_batches: int, axis_name):

@@ -429,3 +429,44 @@ def test_nnx_mistakes_are_named_with_the_fix():
   with pytest.raises(ValueError, match=r"module\(state\) needs a state that init made from an "
                      "nnx.Module"):
     plain.module(plain.init(PARAMS))
+
+
+def _pair(params, batch):
+  return squared_error(params, batch), {"rows": 1.0}
+
+
+def _per_row(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2, axis=1)
+
+
+@pytest.mark.parametrize("loss_fn, kwargs, message", [
+    (_pair, {}, r"^_pair returned a tuple of 2: return the scalar loss, or give data_parallel "
+                r"has_aux=True for \(loss, metrics\)"),
+    (squared_error, {"has_aux": True}, r"^squared_error must return \(loss, metrics\) with "
+                                       r"has_aux=True, got one float32\[\] value"),
+    (lambda p, s, b: squared_error(p, b), {"model_state": True},
+     r"^<lambda> must return \(loss, new_model_state\) with model_state=True, got one"),
+    (_per_row, {}, r"^_per_row must return a scalar loss, got shape \(6,\): take its mean"),
+])
+def test_a_loss_of_the_wrong_shape_is_named_with_the_fix(loss_fn, kwargs, message):
+  dp = dlgs_jax.data_parallel(loss_fn, optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"),
+                                                   optax.sgd(0.1)), mesh(), **kwargs)
+  state = dp.init(PARAMS, {} if kwargs.get("model_state") else None)
+  with pytest.raises(ValueError, match=message):
+    dp.step(state, jax.device_put((X, Y), dp.batch_sharding))
+
+
+@pytest.mark.parametrize("tx, where", [
+    # The order reversed: Adam's moments are each worker's; without a compressor, the update.
+    (optax.chain(optax.adam(1e-2), dlgs_jax.dlgs(0.3, axis_name="data")),
+     r"optimizer state at \[0\]\[0\]\.mu"),
+    (optax.adam(1e-2), "update at "),
+])
+def test_a_transform_that_sees_each_workers_gradient_is_named_with_the_fix(tx, where):
+  dp = dlgs_jax.data_parallel(squared_error, tx, mesh())
+  with pytest.raises(ValueError, match=rf"^the {where}\['(b|w)'\] differs "
+                     r"between workers: no dlgs_jax transform averaged the gradients before "
+                     r"it; put one first in the chain, e.g. optax.chain\(dlgs_jax.dlgs\(0.01, "
+                     r"axis_name='data'\), optax.adamw\(1e-3\)\)"):
+    dp.step(dp.init(PARAMS), jax.device_put((X, Y), dp.batch_sharding))
