@@ -15,6 +15,7 @@ to the workdir as ``config.json``:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -221,7 +222,10 @@ class RunConfig:
         known = {f.name for f in dataclasses.fields(section)}
         unknown = sorted(set(value) - known)
         if unknown:
-          raise ConfigError(f"{key}", unknown, f"unknown options; {key} takes {sorted(known)}")
+          near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+          hint = "".join(f" ({u!r}: did you mean {m[0]!r}?)" for u, m in near.items() if m)
+          raise ConfigError(f"{key}", unknown,
+                            f"unknown options{hint}; {key} takes {sorted(known)}")
         kwargs[key] = section(**value)
       else:
         raise ConfigError("config", key, f"unknown section; sections: {sorted(SECTIONS)}, seed")

@@ -334,7 +334,7 @@ def test_a_config_file_is_overridden_by_flags_and_written_to_the_workdir(tmp_pat
   assert config.model.name == "smallcnn" and config.method.density == 0.1
   assert train.config_from_args(["--config", str(tmp_path / "c.py")]).model.name == "vgg16"
   (tmp_path / "bad.json").write_text('{"method": {"densty": 0.1}}')
-  with pytest.raises(SystemExit, match="unknown options"):
+  with pytest.raises(SystemExit, match=r"unknown options \('densty': did you mean 'density'\?\)"):
     train.config_from_args(["--config", str(tmp_path / "bad.json")])
   with pytest.raises(SystemExit, match="no such file"):
     train.config_from_args(["--config", str(tmp_path / "none.json")])
