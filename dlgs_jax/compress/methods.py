@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -431,8 +432,11 @@ def configurations(methods: Sequence[str], densities: Sequence[float],
 
 
 def _check_number(option: str, value, low: float, high: float, low_open: bool = False) -> None:
-  ok = isinstance(value, (int, float)) and not math.isnan(value) and (
+  number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  ok = number and not math.isnan(value) and (
       (low < value if low_open else low <= value) and value <= high)
+  if not number:
+    raise ConfigError(option, value, f"must be a number, not {type(value).__name__}")
   if not ok:
     bracket = "(" if low_open else "["
     raise ConfigError(option, value, f"must be in {bracket}{low:g}, {high:g}]"

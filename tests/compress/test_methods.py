@@ -54,6 +54,8 @@ def test_configurations_run_density_free_methods_once():
 @pytest.mark.parametrize("config, option", [
     (MethodConfig(density=0.0), "density"),
     (MethodConfig(density=float("nan")), "density"),
+    (MethodConfig(density="0.1"), "density"),
+    (MethodConfig(density=True), "density"),
     (MethodConfig(name="sgd"), "method"),
     (MethodConfig(reuse_every=0), "reuse_every"),
     (MethodConfig(refresh_below=1.5), "refresh_below"),
