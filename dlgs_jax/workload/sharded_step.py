@@ -151,6 +151,12 @@ def data_parallel(
       graph, params, state = nnx.split(params, nnx.Param, ...)
       nnx_graph[:] = [graph]
       loss = _Loss(_nnx_loss(loss_fn, graph, has_aux, seed), True, has_aux, seed)
+    elif isinstance(params, dict) and "batch_stats" in params and "params" in params:
+      # Linen's whole variables: the statistics would get zero gradients, never an update.
+      raise ValueError(
+          "init got Linen variables holding 'batch_stats' as the parameters: give "
+          "data_parallel model_state=True and init(variables['params'], "
+          "variables['batch_stats']), the loss returning (loss, new batch_stats)")
     return initial_state(tx, params, state, mesh)
 
   def module(state: StepState):

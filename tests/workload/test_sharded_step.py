@@ -470,3 +470,14 @@ def test_a_transform_that_sees_each_workers_gradient_is_named_with_the_fix(tx, w
                      r"it; put one first in the chain, e.g. optax.chain\(dlgs_jax.dlgs\(0.01, "
                      r"axis_name='data'\), optax.adamw\(1e-3\)\)"):
     dp.step(dp.init(PARAMS), jax.device_put((X, Y), dp.batch_sharding))
+
+
+def test_linen_variables_given_whole_as_the_parameters_are_named_with_the_fix():
+  dp = dlgs_jax.data_parallel(squared_error, optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"),
+                                                         optax.sgd(0.1)), mesh())
+  variables = {"params": PARAMS, "batch_stats": {"mean": np.zeros(3, np.float32)}}
+  with pytest.raises(ValueError, match=r"^init got Linen variables holding 'batch_stats' as the "
+                     r"parameters: give data_parallel model_state=True and "
+                     r"init\(variables\['params'\], variables\['batch_stats'\]\)"):
+    dp.init(variables)
+  assert dp.init({"params": PARAMS}).step == 0  # Linen's variables without statistics: fine
