@@ -126,7 +126,10 @@ def data_parallel(
     which keeps XLA:CPU's collectives from aborting the process.
 
   Raises:
-    ValueError: for a bad argument, naming it.
+    ValueError: for a bad argument, naming it; ``init`` and ``step`` name, before
+      any work, Linen variables given whole, a batch that does not split over
+      the workers, a loss of the wrong shape, and a transform that sees each
+      worker's own gradient (the optimizer ahead of the compressor).
   """
   axis_name = common.check_axis_name(parallel.data_axes(mesh, axis_name))
   sync_every = CPU_SYNC_EVERY if mesh.devices.flat[0].platform == "cpu" else None
