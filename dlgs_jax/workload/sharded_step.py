@@ -154,12 +154,6 @@ def data_parallel(
       graph, params, state = nnx.split(params, nnx.Param, ...)
       nnx_graph[:] = [graph]
       loss = _Loss(_nnx_loss(loss_fn, graph, has_aux, seed), True, has_aux, seed)
-    elif isinstance(params, dict) and "batch_stats" in params and "params" in params:
-      # Linen's whole variables: the statistics would get zero gradients, never an update.
-      raise ValueError(
-          "init got Linen variables holding 'batch_stats' as the parameters: give "
-          "data_parallel model_state=True and init(variables['params'], "
-          "variables['batch_stats']), the loss returning (loss, new batch_stats)")
     return initial_state(tx, params, state, mesh)
 
   def module(state: StepState):
@@ -200,10 +194,9 @@ def data_parallel(
     return jitted[key]
 
   dispatched = [0]
-  workers = int(np.prod([mesh.shape[a] for a in common.axes_of(axis_name)]))
 
   def step(state: StepState, batch):
-    _check_batch(batch, workers)
+    _check_batch(batch, mesh, axis_name)
     new_state, metrics = program(state)(state, batch)
     dispatched[0] += 1
     if sync_every and dispatched[0] % sync_every == 0:
@@ -212,7 +205,7 @@ def data_parallel(
 
   def compile_step(state: StepState, batch) -> None:
     # jit keeps what it compiled ahead of time: the step then runs it.
-    _check_batch(batch, workers)
+    _check_batch(batch, mesh, axis_name)
     program(state).lower(state, batch).compile()
 
   return DataParallel(init, step, axis_name,
@@ -250,7 +243,16 @@ def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: M
     params: the parameters, the same in every process.
     model_state: mutable model state, or None for none.
     mesh: the device mesh.
+
+  Raises:
+    ValueError: for Linen's whole variables, statistics included, as `params`.
   """
+  if isinstance(params, dict) and "batch_stats" in params and "params" in params:
+    # The statistics would get zero gradients, never an update.
+    raise ValueError(
+        "init got Linen variables holding 'batch_stats' as the parameters: give "
+        "data_parallel model_state=True and init(variables['params'], "
+        "variables['batch_stats']), the loss returning (loss, new batch_stats)")
   return StepState(parallel.replicate(params, mesh),
                    parallel.replicate({} if model_state is None else model_state, mesh),
                    parallel.place_state(tx.init(params), mesh),
@@ -356,8 +358,9 @@ def _accumulate(loss: _Loss, params, model_state, batch, key, micro_batches: int
   return grads, mean(values), model_state, jax.tree_util.tree_map(mean, aux)
 
 
-def _check_batch(batch, workers: int) -> None:
+def _check_batch(batch, mesh: Mesh, axis_name) -> None:
   """Refuses a batch whose leaves' leading axis does not split evenly over the workers."""
+  workers = int(np.prod([mesh.shape[a] for a in common.axes_of(axis_name)]))
   for leaf in jax.tree_util.tree_leaves(batch):
     rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
     if rows is None or rows % workers:
