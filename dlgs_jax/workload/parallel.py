@@ -30,7 +30,9 @@ def data_mesh(num_workers: Optional[int] = None, axis_name: str = "data") -> Mes
     num_workers = len(devices)
   if not 1 <= num_workers <= len(devices):
     raise ValueError(
-        f"num_workers={num_workers!r} but {len(devices)} devices are available")
+        f"num_workers={num_workers!r} but {len(devices)} devices are available: ask for 1 to "
+        f"{len(devices)} workers (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+        f"before JAX starts, or dlgs-train's --local-devices, gives N devices)")
   return Mesh(np.asarray(devices[:num_workers]), (axis_name,))
 
 

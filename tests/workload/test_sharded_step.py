@@ -481,3 +481,11 @@ def test_linen_variables_given_whole_as_the_parameters_are_named_with_the_fix():
                      r"init\(variables\['params'\], variables\['batch_stats'\]\)"):
     dp.init(variables)
   assert dp.init({"params": PARAMS}).step == 0  # Linen's variables without statistics: fine
+
+
+@pytest.mark.parametrize("workers", [0, 9])
+def test_a_mesh_of_more_workers_than_devices_says_how_to_get_devices(workers):
+  with pytest.raises(ValueError, match=rf"^num_workers={workers} but 8 devices are available: "
+                     r"ask for 1 to 8 workers \(on CPU, XLA_FLAGS=--xla_force_host_platform_"
+                     r"device_count=N before JAX starts"):
+    dlgs_jax.data_mesh(workers)
