@@ -167,9 +167,17 @@ class Plan:
   def from_json(cls, text: str) -> "Plan":
     try:
       data = json.loads(text)
-      plan = cls(**data)
-    except (json.JSONDecodeError, TypeError) as e:
-      raise ValueError(f"not a valid plan: {e}") from None
+    except json.JSONDecodeError as e:
+      raise ValueError(f"not a valid plan: not JSON ({e})") from None
+    fields = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not isinstance(data, dict) or not required <= set(data) or not set(data) <= fields:
+      keys = set(data) if isinstance(data, dict) else set()
+      wrong = [f"{what} {sorted(names)}" for what, names in
+               (("missing", required - keys), ("unknown", keys - fields)) if names]
+      raise ValueError(f"not a valid plan (one dlgs-plan writes): {', '.join(wrong)}")
+    plan = cls(**data)
     if [p for g in plan.groups for p in g] != list(plan.order):
       raise ValueError("plan groups are not contiguous runs of its order")
     return plan

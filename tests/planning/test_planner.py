@@ -130,8 +130,11 @@ def test_make_plan_bad_input():
     planner.make_plan(profile, "sgd", 0.01, "optimal")
   with pytest.raises(ValueError, match="1.5"):
     planner.make_plan(profile, "dlgs", 1.5, "optimal")
-  with pytest.raises(ValueError, match="not a valid plan"):
-    planner.Plan.from_json("{\"model\": 1}")
+  with pytest.raises(ValueError, match=r"^not a valid plan \(one dlgs-plan writes\): missing "
+                     r"\['density', .*'workers'\], unknown \['densty'\]$"):
+    planner.Plan.from_json("{\"model\": 1, \"densty\": 0.1}")
+  with pytest.raises(ValueError, match=r"^not a valid plan: not JSON"):
+    planner.Plan.from_json("{model")
   with pytest.raises(ValueError, match="no 'allgather'"):
     planner.make_plan(Profile(model="m", paths=["a"], sizes=[3], t_forward=0.0,
                               t_backward=[0.0], workers=2, sparsify={}, comm={}),
