@@ -188,15 +188,14 @@ def data_parallel(
                       parallel.state_specs(state.opt_state, axis_name), PartitionSpec())
     key = jax.tree_util.tree_structure(specs)
     if key not in jitted:
-      jitted[key] = jax.jit(jax.shard_map(
-          local_step, mesh=mesh, in_specs=(specs, PartitionSpec(axis_name)),
-          out_specs=(specs, PartitionSpec())), donate_argnums=0)
+      mapped = jax.shard_map(local_step, mesh=mesh, in_specs=(specs, PartitionSpec(axis_name)),
+                             out_specs=(specs, PartitionSpec()))
+      jitted[key] = jax.jit(_batch_checked(mapped, mesh, axis_name), donate_argnums=0)
     return jitted[key]
 
   dispatched = [0]
 
   def step(state: StepState, batch):
-    _check_batch(batch, mesh, axis_name)
     new_state, metrics = program(state)(state, batch)
     dispatched[0] += 1
     if sync_every and dispatched[0] % sync_every == 0:
@@ -205,7 +204,6 @@ def data_parallel(
 
   def compile_step(state: StepState, batch) -> None:
     # jit keeps what it compiled ahead of time: the step then runs it.
-    _check_batch(batch, mesh, axis_name)
     program(state).lower(state, batch).compile()
 
   return DataParallel(init, step, axis_name,
@@ -358,16 +356,25 @@ def _accumulate(loss: _Loss, params, model_state, batch, key, micro_batches: int
   return grads, mean(values), model_state, jax.tree_util.tree_map(mean, aux)
 
 
-def _check_batch(batch, mesh: Mesh, axis_name) -> None:
-  """Refuses a batch whose leaves' leading axis does not split evenly over the workers."""
+def _batch_checked(mapped: Callable, mesh: Mesh, axis_name) -> Callable:
+  """`mapped(state, batch)`, first refusing a batch that does not split over the workers.
+
+  shard_map's own error runs to many lines. Under `jax.jit` the check runs while
+  tracing: once per batch shape, not on every step.
+  """
   workers = int(np.prod([mesh.shape[a] for a in common.axes_of(axis_name)]))
-  for leaf in jax.tree_util.tree_leaves(batch):
-    rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
-    if rows is None or rows % workers:
-      raise ValueError(
-          f"a batch leaf of shape {tuple(jnp.shape(leaf))} does not split over the {workers} "
-          f"workers: give every leaf a leading (batch) axis of a multiple of {workers}, "
-          f"e.g. {max(workers, (rows or 0) // workers * workers)}")
+
+  def checked(state, batch):
+    for leaf in jax.tree_util.tree_leaves(batch):
+      rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+      if rows is None or rows % workers:
+        raise ValueError(
+            f"a batch leaf of shape {tuple(jnp.shape(leaf))} does not split over the {workers} "
+            f"workers: give every leaf a leading (batch) axis of a multiple of {workers}, "
+            f"e.g. {max(workers, (rows or 0) // workers * workers)}")
+    return mapped(state, batch)
+
+  return checked
 
 
 def _split_rows(x, parts: int):
