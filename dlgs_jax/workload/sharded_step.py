@@ -23,6 +23,7 @@ It serves plain pytrees, Flax Linen (``batch_stats``) and Flax NNX
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -360,10 +361,12 @@ def _batch_checked(mapped: Callable, mesh: Mesh, axis_name) -> Callable:
   """`mapped(state, batch)`, first refusing a batch that does not split over the workers.
 
   shard_map's own error runs to many lines. Under `jax.jit` the check runs while
-  tracing: once per batch shape, not on every step.
+  tracing: once per batch shape, not on every step. The wrapper keeps the step's
+  name, which compile logs and profiles show.
   """
   workers = int(np.prod([mesh.shape[a] for a in common.axes_of(axis_name)]))
 
+  @functools.wraps(mapped)
   def checked(state, batch):
     for leaf in jax.tree_util.tree_leaves(batch):
       rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
