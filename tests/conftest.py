@@ -49,3 +49,23 @@ import jax  # noqa: E402  (after the flags)
 
 assert jax.device_count() == 8, jax.devices()
 assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
+def pytest_collection_modifyitems(config, items):
+  """Under pytest-xdist, the long tests first, in their order; the short ones then.
+
+  The workers take tests in collection order, so a multi-process test that came
+  last ran on one worker while the other had nothing left to do; with the short
+  tests last, both workers stay busy to the end. A run in one process keeps the
+  usual order (module fixtures set up once).
+  """
+  del config
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    return
+
+  def rank(item) -> int:
+    if item.get_closest_marker("multiprocess") or item.get_closest_marker("cluster"):
+      return 0
+    return 1 if item.get_closest_marker("slow") else 2
+
+  items.sort(key=rank)  # stable: each rank keeps the collection order
