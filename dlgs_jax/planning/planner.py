@@ -172,10 +172,10 @@ class Plan:
     fields = {f.name for f in dataclasses.fields(cls)}
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    if not isinstance(data, dict) or not required <= set(data) or not set(data) <= fields:
-      keys = set(data) if isinstance(data, dict) else set()
-      wrong = [f"{what} {sorted(names)}" for what, names in
-               (("missing", required - keys), ("unknown", keys - fields)) if names]
+    keys = set(data) if isinstance(data, dict) else set()  # not a dict: every field missing
+    wrong = [f"{what} {sorted(names)}" for what, names in
+             (("missing", required - keys), ("unknown", keys - fields)) if names]
+    if wrong:
       raise ValueError(f"not a valid plan (one dlgs-plan writes): {', '.join(wrong)}")
     plan = cls(**data)
     if [p for g in plan.groups for p in g] != list(plan.order):
