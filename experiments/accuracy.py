@@ -410,6 +410,17 @@ def bytes_sent(summary):
   return summary.get("bytes_sent_per_step") or summary.get("dense_bytes_per_step")
 
 
+def step_seconds(runs) -> str:
+  """The runs' median step time in seconds (their mean), as a table cell.
+
+  Not their wall time: a resumed run's summary times only its last process, and a
+  run that shared the machine for a while would look slower than it is. Empty
+  where a run timed no step (a resume with nothing left to run).
+  """
+  times = [r["summary"].get("median_step_time") for r in runs]
+  return "" if None in times else f"{np.mean(times):.3f}"
+
+
 def by_configuration(results) -> dict:
   """Runs grouped by (method, density), in the order they were run, seeds in order."""
   groups = {}
@@ -424,7 +435,7 @@ def markdown(results) -> str:
     return markdown_seeds(results)
   dense = next((r for r in results if r["method"] == "dense"), None)
   lines = ["| method | density | final test acc | vs dense (points) | best test acc | final test "
-           "loss | final train loss | MB sent/worker/step | minutes |",
+           "loss | final train loss | MB sent/worker/step | median s/step |",
            "|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     last = r["epochs"][-1]
@@ -437,7 +448,7 @@ def markdown(results) -> str:
         f"{'' if delta is None else format(delta, '+.1f')} | "
         f"{max(e['test_accuracy'] for e in r['epochs']) * 100:.1f}% | "
         f"{last['test_loss']:.3f} | {last.get('train_loss', float('nan')):.3f} | "
-        f"{'' if sent is None else format(sent / 1e6, '.3f')} | {s['seconds'] / 60:.1f} |")
+        f"{'' if sent is None else format(sent / 1e6, '.3f')} | {step_seconds([r])} |")
   return "\n".join(lines)
 
 
@@ -457,7 +468,7 @@ def markdown_seeds(results) -> str:
 
   lines = ["| method | density | seeds | final test acc (mean ± sd) | per seed | vs dense, paired "
            "(points, mean ± sd) | final test loss | final train loss | MB sent/worker/step | "
-           "minutes |",
+           "median s/step |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for (method, density), runs in by_configuration(results).items():
     accuracies = [final_accuracy(r) for r in runs]
@@ -475,7 +486,7 @@ def markdown_seeds(results) -> str:
         f"{np.mean([r['epochs'][-1]['test_loss'] for r in runs]):.3f} | "
         f"{np.mean([r['epochs'][-1].get('train_loss', np.nan) for r in runs]):.3f} | "
         f"{'' if None in sent else format(np.mean(sent) / 1e6, '.3f')} | "
-        f"{np.mean([r['summary']['seconds'] for r in runs]) / 60:.1f} |")
+        f"{step_seconds(runs)} |")
   return "\n".join(lines)
 
 

@@ -220,7 +220,8 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
             "epochs": [{"epoch": 0, "test_accuracy": 0.1, "test_loss": 2.0, "train_loss": 2.0},
                        {"epoch": 1, "test_accuracy": final, "test_loss": 1.0,
                         "train_loss": 0.5 + seed}],
-            "summary": {"bytes_sent_per_step": 1e6 * (seed + 1), "seconds": 60.0}}
+            "summary": {"bytes_sent_per_step": 1e6 * (seed + 1), "seconds": 60.0,
+                        "median_step_time": (0.4, 0.5, 0.9)[seed]}}
 
   dense, sparse = [0.70, 0.74, 0.72], [0.69, 0.71, 0.73]
   results = ([run("dense", None, seed, a) for seed, a in enumerate(dense)]
@@ -234,6 +235,7 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
   assert cells[4] == "69.0 / 71.0 / 73.0"
   assert cells[5] == f"{gaps.mean():+.1f} ± {gaps.std(ddof=1):.1f}"
   assert cells[7] == "1.500" and cells[8] == "2.000"
+  assert cells[9] == f"{np.mean([0.4, 0.5, 0.9]):.3f}"  # the median step times' mean
   # A configuration with a seed dense lacks: its value alone where one seed, and the
   # gap over the seeds dense ran, named.
   rows = accuracy.markdown(results[:1] + results[3:]).splitlines()
@@ -256,7 +258,7 @@ def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
     return {"method": method, "density": density, "seed": seed,
             "epochs": [{"epoch": e, "test_accuracy": a / 100, "test_loss": 1.0}
                        for e, a in enumerate(curves[method, density, seed])],
-            "summary": {"bytes_sent_per_step": 1e6, "seconds": 60.0}}
+            "summary": {"bytes_sent_per_step": 1e6, "seconds": 60.0, "median_step_time": 0.5}}
 
   # dlgs at two densities: each dlgs-paper run pairs with dlgs of its own density.
   results = [run(m, d, seed) for seed in (0, 1) for m, d in
