@@ -70,13 +70,16 @@ def full_steps() -> list[tuple[str, list[str]]]:
       "--seeds", str(s), "--data-dir", FULL_CIFAR10, "--out-dir", f"{r}accuracy_full/{name}",
       "--runs-dir", "runs/accuracy_full"]) for name, m, d, s in named]
   # The table of the runs that have landed: means, gaps to dense paired by seed, curves,
-  # and the two threshold rules paired (the default rule is decided on it).
+  # the two threshold rules paired (the default rule is decided on it), and, once it has
+  # landed, the head sent whole against the paper's rule (the head's default).
   landed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / r / "accuracy_full").glob(
       "*_seed*/results.json"))
+  versus = "dlgs-paper:dlgs" + (",dlgs-paper-head:dlgs-paper" if any(
+      "/dlgs-paper-head_seed" in p for p in landed) else "")
   return [
       *accuracy_full,
       ("accuracy_full_table", [e + "accuracy.py", "--merge", ",".join(landed), "--out-dir",
-                               r + "accuracy_full/table", "--versus", "dlgs-paper:dlgs"]),
+                               r + "accuracy_full/table", "--versus", versus]),
       ("compare_resnet50", compare("resnet50", 0.01, "dense,topk,dlgs,dlgs-paper", 8, 2,
                                    plans="cluster_resnet50")),
       ("compare_resnet50_lags_gtopk", compare(

@@ -428,6 +428,26 @@ def test_accuracy_trains_a_name_with_2l_in_two_levels_and_counts_its_slices_k(tm
   assert one["exact_share"] == pytest.approx((len(sizes) + 41) / (2 * len(sizes)))
 
 
+def test_the_full_cifar_table_pairs_the_head_run_once_it_has_landed(tmp_path, monkeypatch):
+  suite = load("run_suite")
+  monkeypatch.setattr(suite, "ROOT", tmp_path)
+  folder = tmp_path / "experiments" / "results" / "accuracy_full"
+
+  def table_versus():
+    command = dict(suite.full_steps())["accuracy_full_table"]
+    return command[command.index("--versus") + 1], command[command.index("--merge") + 1]
+
+  for name in ("dense_seed0", "dlgs-paper_seed0", "dlgs_seed0"):
+    (folder / name).mkdir(parents=True)
+    (folder / name / "results.json").write_text("{}")
+  versus, merged = table_versus()
+  assert versus == "dlgs-paper:dlgs" and merged.count("results.json") == 3
+  (folder / "dlgs-paper-head_seed0").mkdir()
+  (folder / "dlgs-paper-head_seed0" / "results.json").write_text("{}")
+  versus, merged = table_versus()
+  assert versus == "dlgs-paper:dlgs,dlgs-paper-head:dlgs-paper" and "head_seed0" in merged
+
+
 @pytest.mark.slow
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "run_suite.py"), "--out-dir",
