@@ -17,12 +17,14 @@ Writes results.json, results.md and curves.png under --out-dir. A run whose
 summary already exists with the same settings is reused (runs take minutes
 each), and one interrupted after an epoch's checkpoint is resumed, unless
 --rerun; one made by another command stops the script before any training,
-unless --rerun. Runs use one group per leaf unless --plan-dir
-gives planned groups: DLGS recomputes a group's thresholds together, so the
-grouping changes how often thresholds are exact (the timing benchmarks use
-planned groups). A name ending in @2l trains that method in two levels
-(`compress.hierarchical`): the --workers devices as nodes of --node-size,
-dense inside a node, the method between nodes.
+unless --rerun. A run that a signal stops keeps its checkpoint and ends the
+script with an error, writing no table (its epochs so far are no result).
+Runs use one group per leaf unless --plan-dir gives planned groups: DLGS
+recomputes a group's thresholds together, so the grouping changes how often
+thresholds are exact (the timing benchmarks use planned groups). A name
+ending in @2l trains that method in two levels (`compress.hierarchical`): the
+--workers devices as nodes of --node-size, dense inside a node, the method
+between nodes.
 With several seeds the table gives each configuration's mean and sample
 standard deviation, and its gap to dense taken seed by seed; --versus A:B adds
 A's gap to B the same way (e.g. dlgs-paper:dlgs, the two threshold rules).
@@ -224,8 +226,9 @@ def merge_results(paths):
 
   Raises:
     SystemExit: naming the file and the setting, where a file is missing, its
-      settings differ from the first file's, or a (method, density, seed) run
-      appears twice (nothing would say which one the table shows).
+      settings differ from the first file's, a run stopped before its last step,
+      or a (method, density, seed) run appears twice (nothing would say which
+      one the table shows).
   """
   if len(paths) < 2:
     raise SystemExit(f"--merge needs at least two results.json files, got {len(paths)}")
@@ -243,6 +246,9 @@ def merge_results(paths):
                          f"are not one comparison")
     for run in loaded["results"]:
       key = (run["method"], run["density"], run.get("seed", 0))
+      if run["summary"].get("stopped_early"):
+        raise SystemExit(f"--merge: {path} holds {key[0]} density {key[1]} seed {key[2]} "
+                         f"stopped before its last step; resume it and write its file again")
       if key in seen:
         raise SystemExit(f"--merge: {key[0]} density {key[1]} seed {key[2]} is in both "
                          f"{seen[key]} and {path}")
@@ -329,6 +335,11 @@ def main(argv=None) -> int:
       status = subprocess.run(run_command, cwd=ROOT).returncode
       if status != 0:
         raise SystemExit(f"training {label} failed with status {status}")
+      if not finished(workdir):
+        # A stop signal (or --stop-after) ends training with status 0 and a
+        # checkpoint; its epochs so far are no result.
+        raise SystemExit(f"training {label} stopped before its last step; its checkpoint "
+                         f"is kept in {workdir}: run the same command to resume it")
       print(f"== {label}: {time.time() - started:.0f} s", flush=True)
     else:
       print(f"== {label}: reusing {workdir}", flush=True)

@@ -212,6 +212,28 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   assert bad.returncode == 2 and "'0,x'" in bad.stderr
 
 
+def test_accuracy_writes_no_table_for_a_run_a_stop_ends_early(tmp_path, monkeypatch):
+  # The trainer's own stop (--stop-after, the path a signal takes) ends with
+  # status 0 and a checkpoint; its two steps must not become a table row.
+  accuracy = load("accuracy")
+  for key, value in child_env().items():
+    monkeypatch.setenv(key, value)
+  real = accuracy.train_command
+  monkeypatch.setattr(accuracy, "train_command",
+                      lambda *args: real(*args) + ["--stop-after", "2"])
+  cifar, _ = write_cifar_dir(tmp_path / "cifar", per_batch=64)
+  out, runs = tmp_path / "out", tmp_path / "runs"
+  with pytest.raises(SystemExit, match=r"dense stopped before its last step; .*smallcnn_dense: "
+                                       r"run the same command to resume it"):
+    accuracy.main(["--model", "smallcnn", "--methods", "dense", "--epochs", "2",
+                   "--workers", "2", "--out-dir", str(out), "--runs-dir", str(runs),
+                   "--data-dir", str(cifar)])
+  summary = json.loads((runs / "smallcnn_dense" / "summary.json").read_text())
+  assert summary["stopped_early"] and summary["steps"] == 2
+  assert (runs / "smallcnn_dense" / "checkpoints").is_dir()
+  assert not (out / "results.json").exists() and not (out / "results.md").exists()
+
+
 def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
   accuracy = load("accuracy")
 
@@ -370,6 +392,12 @@ def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settin
   again = write("d", [run("dlgs", 0.1, 0)])
   with pytest.raises(SystemExit, match=r"dlgs density 0.1 seed 0 is in both .*a/results.json"):
     accuracy.main(["--merge", f"{first},{again}", "--out-dir", str(tmp_path / "x")])
+  stopped = run("dense", None, 4)
+  stopped["summary"]["stopped_early"] = True
+  stopped = write("e", [stopped])
+  with pytest.raises(SystemExit, match=r"e/results.json holds dense density None seed 4 stopped "
+                                       r"before its last step"):
+    accuracy.main(["--merge", f"{first},{stopped}", "--out-dir", str(tmp_path / "x")])
   with pytest.raises(SystemExit, match="at least two"):
     accuracy.main(["--merge", first, "--out-dir", str(tmp_path / "x")])
   with pytest.raises(SystemExit, match="no such file .*nowhere.json"):
