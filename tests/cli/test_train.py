@@ -68,11 +68,23 @@ def test_every_method_trains_and_logs(tmp_path, method):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_bit_identical_to_an_uninterrupted_one(tmp_path):
-  args = [*SMALL, "--local-devices", "2", "--steps", "40", "--density", "0.05",
-          "--reuse-every", "3", "--checkpoint-every", "4", "--check-every", "10"]
+def test_killed_or_stopped_runs_resume_bit_identical_to_an_uninterrupted_one(tmp_path):
+  """Killed outright (resumed from the last periodic checkpoint) or stopped by SIGTERM
+  (which saves a checkpoint of its own), a DLGS run resumed ends where an uninterrupted
+  one does: its residuals and thresholds resume exactly."""
+  steps = ["--local-devices", "2", "--steps", "40", "--density", "0.05", "--reuse-every", "3",
+           "--check-every", "10"]
+  args = [*SMALL, *steps, "--checkpoint-every", "4"]
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
   assert whole.returncode == 0, whole.stderr[-3000:]
+
+  # SIGTERM: no checkpoint is due (every 100 steps, which changes nothing computed), so
+  # the one it resumes from is the stop's own.
+  stopping = [*SMALL, *steps, "--checkpoint-every", "100"]
+  step = _stop_by_signal(stopping, tmp_path / "stopped", signal.SIGTERM, 40)
+  resumed = run_cli([*stopping, "--workdir", str(tmp_path / "stopped"), "--resume"])
+  assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout
+  assert sha_of(tmp_path / "stopped") == sha_of(tmp_path / "whole")
 
   workdir = tmp_path / "killed"
   proc = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args, "--workdir",
@@ -404,31 +416,36 @@ def _start_and_wait_for_step(args, workdir, step):
   return wait_for_step(proc, workdir, step)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum, method", [(signal.SIGTERM, ["--reuse-every", "3"]),
-                                            (signal.SIGINT, ["--method", "dgc"])])
-def test_a_stop_signal_saves_a_checkpoint_and_resume_continues_bit_for_bit(tmp_path, signum,
-                                                                           method):
-  """DLGS's residuals and thresholds, and DGC's velocity and residuals, resume exactly."""
-  args = [*SMALL, "--local-devices", "2", "--steps", "30", "--density", "0.05", *method,
-          "--checkpoint-every", "100", "--check-every", "0"]
-  proc = _start_and_wait_for_step(args, tmp_path / "stopped", 5)
+def _stop_by_signal(args, workdir, signum, total) -> int:
+  """Sends `signum` to a run past step 5; checks it stopped soon, saving a checkpoint of
+  its own (the only one: none may be due before `total`); returns the step it stopped at."""
+  proc = _start_and_wait_for_step(args, workdir, 5)
   proc.send_signal(signum)
   started = time.monotonic()
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 0, err[-3000:]
   assert time.monotonic() - started < 30
   name = signal.Signals(signum).name
-  stopped = re.search(rf"stopped by {name} after \d+ steps at step (\d+) of 30", out)
+  stopped = re.search(rf"stopped by {name} after \d+ steps at step (\d+) of {total}", out)
   assert stopped, out[-2000:]
   step = int(stopped.group(1))
-  assert 5 <= step < 30
-  saved = sorted(int(p.name) for p in (tmp_path / "stopped" / "checkpoints").iterdir()
+  assert 5 <= step < total
+  saved = sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir()
                  if p.name.isdigit())
-  assert saved == [step]  # the stop's own checkpoint: none was due before step 100
+  assert saved == [step]
+  return step
+
+
+@pytest.mark.slow
+def test_sigint_saves_a_checkpoint_and_resume_continues_bit_for_bit(tmp_path):
+  """DGC's velocity and residuals resume exactly. (SIGTERM: the kill-and-resume test.)"""
+  args = [*SMALL, "--local-devices", "2", "--steps", "30", "--density", "0.05", "--method",
+          "dgc", "--checkpoint-every", "100", "--check-every", "0"]
+  step = _stop_by_signal(args, tmp_path / "stopped", signal.SIGINT, 30)
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
   resumed = run_cli([*args, "--workdir", str(tmp_path / "stopped"), "--resume"])
-  assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout
+  assert whole.returncode == 0 and resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from step {step}" in resumed.stdout
   assert sha_of(tmp_path / "stopped") == sha_of(tmp_path / "whole")
 
 
