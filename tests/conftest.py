@@ -28,7 +28,7 @@ import tempfile
 # of SmallCNN compiled in 3.3-3.7 s instead of 6.0-6.2 s; the whole suite took 1,764
 # CPU seconds instead of 3,117). The programs and their results are checked the same
 # way; only their speed differs. tests/helpers.child_env hands the same flags to
-# every process the tests start.
+# every process the tests start (at level 1 where a child runs more than it compiles).
 TEST_XLA_FLAGS = ("" if os.environ.get("DLGS_TESTS_XLA_OPTIMIZE") == "1" else
                   "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = " ".join(filter(None, (

@@ -80,11 +80,21 @@ def inherited_xla_flags() -> str:
   return launch.without_forced_device_count(os.environ.get("XLA_FLAGS", ""))
 
 
-def child_env(**extra) -> dict:
-  """Environment for a child JAX process: CPU, its own device count, this checkout importable."""
+def child_env(*, optimize: bool = False, **extra) -> dict:
+  """Environment for a child JAX process: CPU, its own device count, this checkout importable.
+
+  Args:
+    optimize: compile at XLA's first optimisation level rather than none, for a child
+      that spends more time running its programs than compiling them (an example's 40
+      steps of a CNN: a fifth fewer CPU seconds; a transformer's, two fifths more).
+    **extra: variables to set.
+  """
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   flags = inherited_xla_flags()
+  if optimize:
+    flags = flags.replace("--xla_backend_optimization_level=0",
+                          "--xla_backend_optimization_level=1")
   if flags:
     env["XLA_FLAGS"] = flags
   env["JAX_PLATFORMS"] = "cpu"
