@@ -139,3 +139,12 @@ def test_the_choosing_page_prints_the_bytes_its_formulas_give(site):
     assert gather / dense == pytest.approx(0.01 * p, rel=0.01)  # all-gather over dense: d P
     assert dense_bf16 == pytest.approx(dense / 2, abs=0.1)
   assert float(rows[-1][5]) < float(rows[-1][3]) / 20  # gTop-k's log P at 256 workers
+
+
+def test_the_docs_tests_share_one_worker(request):
+  """Under `--dist loadgroup` this module's tests run on one worker (its pytestmark):
+  pytest-xdist names the group in each test's node id, which a pytest that ignores
+  the name it is given (9.2) leaves out, sending the tests to any worker."""
+  if not getattr(request.config.option, "loadgroup", False):
+    pytest.skip("not run by pytest-xdist with --dist loadgroup")
+  assert request.node.nodeid.endswith("@docs"), request.node.nodeid
