@@ -267,9 +267,10 @@ def _stopped_step(output: str, name: str) -> int:
 def test_a_signal_to_one_process_or_to_the_launcher_stops_every_process_at_one_step(tmp_path):
   """SIGTERM to process 1: JAX's preemption service has both save the same step and
   leave; SIGINT to process 0 and SIGHUP to the launcher do the same. Resumed three
-  times, the run ends bit for bit where an uninterrupted one does. (Top-k: its residuals
-  resume like DLGS's, and its step compiles in a third of the time, which every
-  launch's process 1 pays again.)"""
+  times, the run ends bit for bit where an uninterrupted one does. (TernGrad: each
+  worker draws from its own PRNG key, whose state must resume exactly too, and its step
+  compiles in a fraction of DLGS's time, which every launch's process 1 pays again.
+  DLGS's residuals across processes resume in the two-level test, DGC's in the CLI's.)"""
   args = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05", "--density", "0.05",
           "--method", "terngrad", "--steps", "90", "--checkpoint-every", "100",
           "--check-every", "5"]
