@@ -542,7 +542,8 @@ def markdown_paired_gaps(results, base: str = "dense", only=None) -> str:
   The final epoch's accuracy on a small test set moves by about a point between
   neighbouring epochs, as much as the gaps being measured; the mean over the
   last tenth of the epochs and the best epoch say how much of a gap is that noise.
-  Arguments as `paired_gaps`; with one seed the mean has no spread.
+  Gaps have two decimals, so that one read against a bar such as 0.5 is not
+  rounded onto it. Arguments as `paired_gaps`; with one seed the mean has no spread.
   """
   tail = max(1, len(results[0]["epochs"]) // 10)
   names = {"final": "final test accuracy", "tail": f"mean of the last {tail} epochs",
@@ -552,10 +553,10 @@ def markdown_paired_gaps(results, base: str = "dense", only=None) -> str:
   for (method, density), gaps in paired_gaps(results, tail, base, only).items():
     label = method if base == "dense" else f"{method} − {base}"
     for name, values in gaps.items():
-      spread = f" ± {np.std(values, ddof=1):.1f}" if len(values) > 1 else " (one seed)"
+      spread = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else " (one seed)"
       lines.append(f"| {label} | {'-' if density is None else format(density, 'g')} | "
-                   f"{names[name]} | {' / '.join(f'{v:+.1f}' for v in values)} | "
-                   f"{np.mean(values):+.1f}{spread} |")
+                   f"{names[name]} | {' / '.join(f'{v:+.2f}' for v in values)} | "
+                   f"{np.mean(values):+.2f}{spread} |")
   return "\n".join(lines)
 
 

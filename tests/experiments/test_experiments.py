@@ -289,14 +289,14 @@ def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
   rows = table.splitlines()[2:]
   assert len(rows) == 3 and all(r.startswith("| dlgs-paper − dlgs | 0.1 |") for r in rows)
   gaps = [curves["dlgs-paper", 0.1, s][-1] - curves["dlgs", 0.1, s][-1] for s in (0, 1)]
-  assert (f"| final test accuracy | {gaps[0]:+.1f} / {gaps[1]:+.1f} | "
-          f"{np.mean(gaps):+.1f} ± {np.std(gaps, ddof=1):.1f} |") in rows[0]
+  assert (f"| final test accuracy | {gaps[0]:+.2f} / {gaps[1]:+.2f} | "
+          f"{np.mean(gaps):+.2f} ± {np.std(gaps, ddof=1):.2f} |") in rows[0]
   tail = [curves["dlgs-paper", 0.1, s][-1:].mean() - curves["dlgs", 0.1, s][-1:].mean()
           for s in (0, 1)]
-  assert f"{tail[0]:+.1f} / {tail[1]:+.1f}" in rows[1]
+  assert f"{tail[0]:+.2f} / {tail[1]:+.2f}" in rows[1]
   # One seed: the gap without a spread.
   one = accuracy.markdown_paired_gaps(results[:4], base="dlgs", only=("dlgs-paper",))
-  assert one.splitlines()[2].endswith(f"| {gaps[0]:+.1f} | {gaps[0]:+.1f} (one seed) |")
+  assert one.splitlines()[2].endswith(f"| {gaps[0]:+.2f} | {gaps[0]:+.2f} (one seed) |")
 
   meta = {"model": "resnet20", "workers": 4, "epochs": 10, "batch_size": 32, "lr": 0.1,
           "data": "embedded"}
@@ -382,8 +382,8 @@ def test_accuracy_merge_joins_seeds_from_separate_files_and_refuses_other_settin
                                 ("mean of the last 2 epochs", lambda c: c[-2:].mean()),
                                 ("best test accuracy", np.max))}
   for name, values in gaps.items():
-    row = (f"| dlgs | 0.1 | {name} | {' / '.join(f'{v:+.1f}' for v in values)} | "
-           f"{np.mean(values):+.1f} ± {np.std(values, ddof=1):.1f} |")
+    row = (f"| dlgs | 0.1 | {name} | {' / '.join(f'{v:+.2f}' for v in values)} | "
+           f"{np.mean(values):+.2f} ± {np.std(values, ddof=1):.2f} |")
     assert row in table, (row, table)
 
   other = write("c", [run("dense", None, 3)], epochs=40)
