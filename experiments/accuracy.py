@@ -440,6 +440,24 @@ def by_configuration(results) -> dict:
   return groups
 
 
+def mean_sd(values, decimals: int = 1, sign: str = "", unit: str = "") -> str:
+  """`values`' mean ± sample sd, or the one value alone (one seed has no spread).
+
+  Args:
+    values: the numbers, one a seed.
+    decimals: decimals of the mean and the sd.
+    sign: "+" to sign the mean (a gap), "" for a level.
+    unit: appended, e.g. "%".
+
+  Returns:
+    e.g. "+0.47 ± 0.46", "89.6 ± 0.1%" or "-0.3".
+  """
+  mean = f"{np.mean(values):{sign}.{decimals}f}"
+  if len(values) < 2:
+    return mean + unit
+  return f"{mean} ± {np.std(values, ddof=1):.{decimals}f}{unit}"
+
+
 def markdown(results) -> str:
   """The results table: one row per run, or with several seeds one row per configuration."""
   if len({r.get("seed", 0) for r in results}) > 1:
@@ -471,12 +489,6 @@ def markdown_seeds(results) -> str:
   runs share.
   """
   dense = {r["seed"]: final_accuracy(r) for r in results if r["method"] == "dense"}
-
-  def spread(values, fmt=".1f", unit=""):
-    # One seed has no spread: its value alone.
-    mean = f"{np.mean(values):{fmt}}"
-    return f"{mean} ± {np.std(values, ddof=1):.1f}{unit}" if len(values) > 1 else mean + unit
-
   lines = ["| method | density | seeds | final test acc (mean ± sd) | per seed | vs dense, paired "
            "(points, mean ± sd) | final test loss | final train loss | MB sent/worker/step | "
            "median s/step |",
@@ -484,14 +496,14 @@ def markdown_seeds(results) -> str:
   for (method, density), runs in by_configuration(results).items():
     accuracies = [final_accuracy(r) for r in runs]
     paired = [r for r in runs if r["seed"] in dense]
-    gaps = spread([final_accuracy(r) - dense[r["seed"]] for r in paired], "+.1f") \
+    gaps = mean_sd([final_accuracy(r) - dense[r["seed"]] for r in paired], sign="+") \
         if paired else ""
     if 0 < len(paired) < len(runs):  # only the seeds dense also ran are paired
       gaps += f" (seed {','.join(str(r['seed']) for r in paired)} only)"
     sent = [bytes_sent(r["summary"]) for r in runs]
     lines.append(
         f"| {method} | {'-' if density is None else format(density, 'g')} | "
-        f"{','.join(str(r['seed']) for r in runs)} | {spread(accuracies, unit='%')} | "
+        f"{','.join(str(r['seed']) for r in runs)} | {mean_sd(accuracies, unit='%')} | "
         f"{' / '.join(f'{a:.1f}' for a in accuracies)} | "
         f"{gaps} | "
         f"{np.mean([r['epochs'][-1]['test_loss'] for r in runs]):.3f} | "
@@ -553,10 +565,10 @@ def markdown_paired_gaps(results, base: str = "dense", only=None) -> str:
   for (method, density), gaps in paired_gaps(results, tail, base, only).items():
     label = method if base == "dense" else f"{method} − {base}"
     for name, values in gaps.items():
-      spread = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else " (one seed)"
+      one = "" if len(values) > 1 else " (one seed)"
       lines.append(f"| {label} | {'-' if density is None else format(density, 'g')} | "
                    f"{names[name]} | {' / '.join(f'{v:+.2f}' for v in values)} | "
-                   f"{np.mean(values):+.2f}{spread} |")
+                   f"{mean_sd(values, 2, sign='+')}{one} |")
   return "\n".join(lines)
 
 
