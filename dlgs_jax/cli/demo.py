@@ -82,6 +82,7 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # simulated workers are CPU devices
   from dlgs_jax.cli import train
   config = train.config_from_args(argv, base=preset(), prog="dlgs-demo")
+  train.check_train_extra("dlgs-demo")
   summary = train.run(config, prog="dlgs-demo")
   import jax
   if jax.process_index() == 0:

@@ -20,6 +20,10 @@ import sys
 from dlgs_jax.cluster.launch import launch
 
 
+# dlgs-train flags each launched process gets from the launcher, through its environment.
+LAUNCHER_SETS = ("--coordinator", "--num-processes", "--process-id", "--local-devices")
+
+
 def parse_args(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--" in argv:
@@ -42,6 +46,13 @@ def parse_args(argv=None):
     parser.error(f"--local-devices must be >= 1, got {args.local_devices}")
   if not 0 <= args.port < 65536:
     parser.error(f"--port must be in [0, 65536), got {args.port}")
+  for i, word in enumerate(child):
+    flag = word.split("=", 1)[0]
+    if flag in LAUNCHER_SETS:
+      value = word.split("=", 1)[1] if "=" in word else " ".join(child[i + 1:i + 2])
+      parser.error(f"{flag} {value} after '--': the launcher sets every process's "
+                   f"{', '.join(LAUNCHER_SETS)} itself (--nproc {args.nproc}, --local-devices "
+                   f"{args.local_devices}); drop it, or change --nproc / --local-devices")
   return args, child
 
 

@@ -24,7 +24,8 @@ import sys
 from typing import Callable, Optional
 
 from dlgs_jax.compress.methods import METHODS, ConfigError
-from dlgs_jax.training.config import PLANNERS, RunConfig, load_config, with_overrides
+from dlgs_jax.training.config import (PLANNERS, RunConfig, check_used, load_config,
+                                      with_overrides)
 
 
 def parse_refresh_below(text: str) -> Optional[float]:
@@ -138,6 +139,8 @@ FLAGS = (
          "multi-process: process count (or DLGS_NUM_PROCESSES)", int),
     Flag("--process-id", "processes", "process_id",
          "multi-process: this process's id (or DLGS_PROCESS_ID)", int),
+    Flag("--init-timeout", "processes", "init_timeout",
+         "multi-process: seconds to wait for every process to join", int),
     Flag("--local-devices", "processes", "local_devices",
          "simulated CPU devices in this process (CPU only; or DLGS_LOCAL_DEVICES)", int),
     Flag("--flat", "processes", "flat", "one data axis over all devices; by default several "
@@ -220,8 +223,14 @@ def config_from_args(argv=None, base: Optional[RunConfig] = None, prog: str = "d
   try:
     config = base or RunConfig()
     if getattr(namespace, "config", None):
-      config = load_config(namespace.config)
-    return with_overrides(config, overrides(namespace)).validate()
+      try:
+        config = load_config(namespace.config)
+      except ConfigError as e:
+        raise SystemExit(f"{prog}: --config {namespace.config}: {e}") from None
+    given = overrides(namespace)
+    config = with_overrides(config, given).validate()
+    check_used(config, given)
+    return config
   except ConfigError as e:
     raise SystemExit(f"{prog}: {flag_message(e)}") from None
   except TypeError as e:  # a config file's option of the wrong kind
@@ -265,7 +274,8 @@ def run(config: RunConfig, prog: str = "dlgs-train") -> dict:
   processes = config.processes
   try:
     distributed.initialize(processes.coordinator, processes.num_processes, processes.process_id,
-                           local_cpu_devices=processes.local_devices)
+                           local_cpu_devices=processes.local_devices,
+                           init_timeout=processes.init_timeout)
   except ValueError as e:
     raise SystemExit(f"{prog}: {e}") from None
   try:
@@ -274,8 +284,34 @@ def run(config: RunConfig, prog: str = "dlgs-train") -> dict:
     raise SystemExit(f"{prog}: {e}") from None
 
 
+# What a run imports from the "train" extra (progress bars, checkpoints).
+TRAIN_EXTRA = ("tqdm", "orbax.checkpoint")
+
+
+def check_train_extra(prog: str = "dlgs-train") -> None:
+  """Refuses to start without the "train" extra, before anything is built.
+
+  Raises:
+    SystemExit: naming the missing modules and the install command.
+  """
+  import importlib.util
+
+  def missing(name: str) -> bool:
+    try:
+      return importlib.util.find_spec(name) is None
+    except ModuleNotFoundError:  # the parent package is missing too
+      return True
+
+  absent = [name for name in TRAIN_EXTRA if missing(name)]
+  if absent:
+    raise SystemExit(f"{prog}: needs the 'train' extra (missing {', '.join(absent)}): "
+                     f"pip install 'dlgs_jax[train]'")
+
+
 def main(argv=None) -> int:
-  run(config_from_args(argv))
+  config = config_from_args(argv)
+  check_train_extra()
+  run(config)
   return 0
 
 

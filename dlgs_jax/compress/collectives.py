@@ -90,9 +90,15 @@ def worker_index(axis_name: AxisName) -> jax.Array:
 
 
 def dense_mean(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
-  """Mean of `x` over workers: one all-reduce."""
+  """Mean of `x` over workers: one all-reduce.
+
+  float16 values are divided by P before they are summed: their sum could
+  pass float16's range (65504) where their mean does not.
+  """
   if axis_name is None:
     return x
+  if x.dtype == jnp.float16:
+    return lax.psum(x / num_workers(axis_name), axis_name)
   return lax.pmean(x, axis_name)
 
 
@@ -293,7 +299,7 @@ def gtopk_indices(
   extra = p - p2
 
   def exchange(v, i, perm, receives):
-    got_v, got_i = _unpack(lax.ppermute(_pack(v, i), axis_name, perm))
+    got_v, got_i = _unpack(partial_permute(_pack(v, i), axis_name, perm))
     # ppermute gives zeros to workers outside `perm`; turn those into padding.
     got_i = jnp.where(receives, got_i, size)
     got_v = jnp.where(receives, got_v, 0.0)
@@ -309,9 +315,27 @@ def gtopk_indices(
     values, indices = exchange(
         values, indices, [(j, j ^ bit) for j in range(p2)], rank < p2)
   if extra:
-    back = lax.ppermute(indices, axis_name, [(j, p2 + j) for j in range(extra)])
+    back = partial_permute(indices, axis_name, [(j, p2 + j) for j in range(extra)])
     indices = jnp.where(rank >= p2, back, indices)
   return indices
+
+
+def partial_permute(x: jax.Array, axis_name: AxisName, perm) -> jax.Array:
+  """`lax.ppermute` of `x` along `perm`, which may leave some workers out.
+
+  shard_map and pmap send only the pairs in `perm` (workers outside it
+  receive zeros). ``jax.vmap``'s ppermute takes full permutations only, so
+  there the pairs are completed: the workers that send nothing send to those
+  that receive nothing. Callers mask what a worker outside `perm` receives;
+  vmap simulates workers on one device, so the added pairs move no bytes.
+  """
+  try:
+    return lax.ppermute(x, axis_name, perm)
+  except AssertionError:  # vmap: "Permutation doesn't match the axis size!"
+    size = num_workers(axis_name)
+    senders = [s for s in range(size) if s not in {s for s, _ in perm}]
+    receivers = [d for d in range(size) if d not in {d for _, d in perm}]
+    return lax.ppermute(x, axis_name, list(perm) + list(zip(senders, receivers)))
 
 
 def gtopk_mean(

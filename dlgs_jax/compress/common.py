@@ -62,6 +62,29 @@ def check_sparse_wire(dtype, collective: str) -> str:
   return dtype
 
 
+def check_factory(argument: str, make, example: str) -> None:
+  """Refuses a transform (or anything not callable) where a function building one is expected.
+
+  Args:
+    argument: the parameter's name, for the message.
+    make: what was given.
+    example: a call that would be right, for the message.
+  """
+  if isinstance(make, optax.GradientTransformation) or not callable(make):
+    what = ("a built GradientTransformation" if isinstance(make, optax.GradientTransformation)
+            else repr(make))
+    raise ValueError(f"{argument} must be a function that builds the transform, got {what}: "
+                     f"pass e.g. {example}")
+
+
+def check_built(argument: str, built) -> optax.GradientTransformation:
+  """Refuses what a factory argument returned unless it is a GradientTransformation."""
+  if not isinstance(built, optax.GradientTransformation):
+    raise ValueError(f"{argument} must return an optax.GradientTransformation, it returned "
+                     f"{type(built).__name__}")
+  return built
+
+
 def check_groups(groups, order):
   """Accepts leaf-path groups or a plan-like object with ``.groups``/``.order``."""
   if groups is not None and hasattr(groups, "groups"):
@@ -254,9 +277,14 @@ def _worker_axis_hint(leaf, ref) -> str:
 
 def check_residual_dtype(dtype):
   """The residuals' dtype for floating leaves: a floating dtype (default float32)."""
-  if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-    raise ValueError(f"residual_dtype must be a floating dtype, got {dtype!r}")
-  return jnp.dtype(dtype)
+  try:
+    resolved = jnp.dtype(dtype)
+  except TypeError:
+    resolved = None
+  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    raise ValueError(f"residual_dtype must be a floating dtype such as 'float32' or "
+                     f"jnp.float32, got {dtype!r}")
+  return resolved
 
 
 def residual_dtype_for(leaf, residual_dtype):
@@ -272,11 +300,18 @@ def round_into_residuals(means, residuals, grads):
   gradient's dtype (e.g. bfloat16), and the rounding error goes back into every
   worker's residual, so ``P * update + sum_w e_w`` still accounts for every bit
   of gradient mass. Leaves already in the residual dtype are returned untouched.
+
+  A mean past the gradient dtype's range (float16 tops out at 65504) is sent
+  clipped to it, and the excess stays owed in the residual too: cast as it
+  is, it would apply an infinity and leave minus that infinity in the residual.
   """
   sent, kept = [], []
   for mean, residual, grad in zip(means, residuals, grads):
     update = mean.astype(grad.dtype)
     if update.dtype != mean.dtype and residual.dtype == mean.dtype:
+      if jnp.issubdtype(update.dtype, jnp.floating):
+        largest = float(jnp.finfo(update.dtype).max)
+        update = jnp.clip(mean, -largest, largest).astype(grad.dtype)
       residual = residual + (mean - update.astype(mean.dtype))
     sent.append(update)
     kept.append(residual)
@@ -307,14 +342,44 @@ def is_passive(leaf) -> bool:
           or math.prod(np.shape(leaf)) == 0)
 
 
-def with_passive_leaves(tx: optax.GradientTransformation,
-                        axis_name=None) -> optax.GradientTransformation:
+def check_state(state, state_type: type, method: str) -> None:
+  """Refuses, in one line, a state that `method`'s init did not make.
+
+  Args:
+    state: what the update was given.
+    state_type: the NamedTuple class of `method`'s state.
+    method: the factory's name, for the message.
+
+  Raises:
+    ValueError: for a whole optax chain's state, another transform's state, or
+      anything else, naming what was given and what to pass.
+  """
+  if isinstance(state, state_type):
+    return
+  given = type(state).__name__
+  if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
+    hint = (f"a {given} of {len(state)} states is an optax chain's state: give it to the "
+            f"chain's update (tx.update(grads, opt_state, params)), or give {method}'s update "
+            f"its own element of it")
+  elif hasattr(state, "_fields"):
+    hint = (f"it is another transform's state: give {method}'s update the state its own "
+            f"init returned")
+  else:
+    hint = f"give {method}'s update the state its own init returned"
+  raise ValueError(f"{method}'s update got a {given} as its state, not the {state_type.__name__} "
+                   f"its init returns: {hint}")
+
+
+def with_passive_leaves(tx: optax.GradientTransformation, axis_name=None,
+                        state_type: type = None, method: str = "the transform"
+                        ) -> optax.GradientTransformation:
   """`tx` on the floating, non-empty leaves; every other leaf gets a zero update, no traffic.
 
   Passive leaves become empty subtrees (None) before `tx` sees the tree, so its
   state and messages hold only the leaves it communicates; a tree without passive
-  leaves is handed over as it is. Gradients and state typed replicated over
-  `axis_name` are refused first (`check_per_worker`).
+  leaves is handed over as it is. A state of another type than `state_type`
+  (`check_state`), and gradients and state typed replicated over `axis_name`
+  (`check_per_worker`), are refused first.
   """
   def strip(tree):
     return jax.tree_util.tree_map(lambda x: None if is_passive(x) else x, tree)
@@ -331,6 +396,8 @@ def with_passive_leaves(tx: optax.GradientTransformation,
   def update_fn(updates, state, params=None):
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     passive = [is_passive(x) for x in leaves]
+    if state_type is not None:
+      check_state(state, state_type, method)
     check_mapped(updates, axis_name)
     check_per_worker(strip(updates), state.count, axis_name)
     if not any(passive):

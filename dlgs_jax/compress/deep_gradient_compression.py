@@ -198,7 +198,8 @@ def dgc(
     return (unflatten([m.astype(g.dtype) for m, g in zip(means, original)]),
             DGCState(count, unflatten(new_u), unflatten(new_v), state.key, stats))
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name,
+                                    DGCState, "dgc")
 
 
 def _check_args(momentum, sample_ratio, warmup_steps, warmup_stages, max_lowering, min_ndim,

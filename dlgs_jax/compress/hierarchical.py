@@ -83,7 +83,9 @@ def two_level(make: Callable[[Any], optax.GradientTransformation], *, fast_axis:
                      f"{fast_axis!r}; got {slow_axis!r}")
   if isinstance(fast_size, bool) or not isinstance(fast_size, int) or fast_size < 1:
     raise ValueError(f"fast_size must be an integer >= 1, got {fast_size!r}")
-  inner = make(slow_axis)
+  common.check_factory("two_level's make", make,
+                       "lambda axis: dlgs_jax.dlgs(0.01, axis_name=axis)")
+  inner = common.check_built("two_level's make", make(slow_axis))
 
   def slices_of(tree):
     return jax.tree_util.tree_map(
@@ -113,7 +115,8 @@ def two_level(make: Callable[[Any], optax.GradientTransformation], *, fast_axis:
             TwoLevelState(inner_state, jnp.asarray(fast, jnp.float32)))
 
   return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn),
-                                    common.axes_of(slow_axis) + (fast_axis,))
+                                    common.axes_of(slow_axis) + (fast_axis,), TwoLevelState,
+                                    "two_level")
 
 
 def _reduce_scatter(leaves, widths, fast_axis, fast_size):

@@ -22,6 +22,7 @@ Each rule validates its fields when built and owns its drift test (`drifted`);
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Union
 
@@ -121,7 +122,8 @@ class AdaptedReuse:
       more than its buffer sends its first passing values in index order, not
       its largest (in (0, 1]).
     overflow: how many times its buffer a leaf may pass before its group
-      recomputes (>= 1); what does not fit waits in the residual.
+      recomputes (>= 1; ``math.inf``: never); what does not fit waits in the
+      residual.
     exact_below_k: leaves keeping fewer values take the exact threshold on
       every step (>= 0).
   """
@@ -171,6 +173,8 @@ class AdaptedReuse:
     counted = live & sparse
     sent = jnp.sum(jnp.where(counted, jnp.minimum(passed, capacities), 0))
     short = sent < jnp.ceil(self.below * jnp.sum(jnp.where(counted, np.asarray(ks), 0)))
+    if math.isinf(self.overflow):  # never: floor(inf * capacity) has no int64 value
+      return short
     most = np.floor(self.overflow * capacities).astype(np.int64)
     overflow = jnp.any((passed > most) & sparse)
     return short | overflow

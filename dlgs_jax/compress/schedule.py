@@ -24,6 +24,8 @@ import numpy as np
 import optax
 from jax import lax
 
+from dlgs_jax.compress import common
+
 
 class DensityScheduleState(NamedTuple):
   """State of `density_schedule`."""
@@ -53,8 +55,11 @@ def density_schedule(factory: Callable[[float], optax.GradientTransformation],
   for step in boundaries:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
       raise ValueError(f"boundaries' steps must be integers >= 0, got {step!r}")
+  common.check_factory("density_schedule's factory", factory,
+                       "lambda d: dlgs_jax.dlgs(d, axis_name='data')")
   starts = sorted(boundaries)
-  phases = [factory(boundaries[step]) for step in starts]
+  phases = [common.check_built("density_schedule's factory", factory(boundaries[step]))
+            for step in starts]
 
   def init_fn(params):
     states = [tx.init(params) for tx in phases]

@@ -137,7 +137,8 @@ def terngrad(
                          zip(means, jax.tree_util.tree_leaves(updates))])
     return new_updates, TernGradState(count, state.key, stats)
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name,
+                                    TernGradState, "terngrad")
 
 
 def _clip(g: jax.Array, clip: Optional[float]) -> jax.Array:

@@ -41,6 +41,7 @@ gradients only.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Sequence
 
@@ -57,6 +58,7 @@ def _sparse_transform(
     select: engine.Selection,
     collective: str,
     *,
+    method: str,
     axis_name,
     groups,
     order,
@@ -125,7 +127,8 @@ def _sparse_transform(
       return new_updates, DLGSState(count, unflatten(residuals), unflatten(thresholds), stats)
     return new_updates, SparseState(count, unflatten(residuals), stats)
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name,
+                                    DLGSState if with_thresholds else SparseState, method)
 
 
 def dlgs(
@@ -203,13 +206,14 @@ def dlgs(
   density = common.check_density(density)
   common.check_static("capacity_factor", capacity_factor)
   if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
-      or not capacity_factor >= 1.0):
-    raise ValueError(f"capacity_factor must be a number >= 1, got {capacity_factor!r}")
+      or not 1.0 <= capacity_factor < math.inf):
+    raise ValueError(f"capacity_factor must be a finite number >= 1 (it sizes each leaf's "
+                     f"buffer; at most every value: size_l / k_l), got {capacity_factor!r}")
   rule = rules.check_rule(thresholds)
   groups, order = common.check_groups(groups, order)
   return _sparse_transform(
       engine.Selection("threshold", density, float(capacity_factor), rule),
-      common.check_collective(collective), axis_name=axis_name, groups=groups,
+      common.check_collective(collective), method="dlgs", axis_name=axis_name, groups=groups,
       order=order, single_group=False, skip_nonfinite=skip_nonfinite,
       whole=engine.check_whole(send_whole), residual_dtype=residual_dtype,
       wire_dtype=wire_dtype)
@@ -237,7 +241,7 @@ def lags(
   groups, order = common.check_groups(groups, order)
   return _sparse_transform(
       engine.Selection("layer_topk", density), common.check_collective(collective),
-      axis_name=axis_name, groups=groups, order=order, single_group=False,
+      method="lags", axis_name=axis_name, groups=groups, order=order, single_group=False,
       skip_nonfinite=skip_nonfinite, whole=engine.check_whole(send_whole),
       residual_dtype=residual_dtype, wire_dtype=wire_dtype)
 
@@ -247,7 +251,8 @@ def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, resi
   """One top-k over all leaves sent by `collective` (Top-k and gTop-k)."""
   return _sparse_transform(
       engine.Selection("group_topk", common.check_density(density)), collective,
-      axis_name=axis_name, groups=None, order=None, single_group=True,
+      method="topk" if collective == "allgather" else "gtopk", axis_name=axis_name,
+      groups=None, order=None, single_group=True,
       skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype, wire_dtype=wire_dtype)
 
 
@@ -330,4 +335,5 @@ def dense(
         layout.treedef, [m.astype(g.dtype) for m, g in zip(means, grads)])
     return new_updates, DenseState(count, stats)
 
-  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name)
+  return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name,
+                                    DenseState, "dense")

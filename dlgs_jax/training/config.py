@@ -19,11 +19,13 @@ import difflib
 import importlib.util
 import json
 import math
+import typing
 from pathlib import Path
 from typing import Any, Optional
 
 from dlgs_jax.compress.methods import ConfigError, MethodConfig
 from dlgs_jax.compress.optimizer import OptimizerConfig
+from dlgs_jax.training.distributed import INIT_TIMEOUT
 
 PLANNERS = ("none", "wfbp", "single", "greedy", "optimal")
 DATASETS = ("auto", "cifar10", "imagefolder", "synthetic")
@@ -133,6 +135,7 @@ class ProcessConfig:
     node_size: devices per node of the two-level exchange (consecutive
       processes' devices form a node, e.g. one process per GPU); None: each
       process is a node. 1, or every device in one node, runs flat.
+    init_timeout: multi-process: seconds to wait for every process to join.
   """
   workers: Optional[int] = None
   coordinator: Optional[str] = None
@@ -141,6 +144,7 @@ class ProcessConfig:
   local_devices: Optional[int] = None
   flat: bool = False
   node_size: Optional[int] = None
+  init_timeout: int = INIT_TIMEOUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +182,7 @@ FREE_OPTIONS = frozenset({
     "checkpoint.nonfinite_limit",
     "processes.workers", "processes.coordinator", "processes.num_processes",
     "processes.process_id", "processes.local_devices", "processes.flat", "processes.node_size",
+    "processes.init_timeout",
     "data.eval_batch_size",
     "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
     "plan.latency"})
@@ -219,6 +224,9 @@ class RunConfig:
         kwargs["seed"] = value
       elif key in SECTIONS:
         section = SECTIONS[key]
+        if not isinstance(value, dict):
+          raise ConfigError(key, value, f"a section is an object of options, e.g. "
+                            f"{{\"{key}\": {{\"{dataclasses.fields(section)[0].name}\": ...}}}}")
         known = {f.name for f in dataclasses.fields(section)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -226,7 +234,7 @@ class RunConfig:
           hint = "".join(f" ({u!r}: did you mean {m[0]!r}?)" for u, m in near.items() if m)
           raise ConfigError(f"{key}", unknown,
                             f"unknown options{hint}; {key} takes {sorted(known)}")
-        kwargs[key] = section(**value)
+        kwargs[key] = section(**_typed_options(key, section, value))
       else:
         raise ConfigError("config", key, f"unknown section; sections: {sorted(SECTIONS)}, seed")
     return cls(**kwargs)
@@ -247,7 +255,60 @@ class RunConfig:
     self.method.validate()
     self.optimizer.validate()
     _validate_run(self)
+    check_used(self)
     return self
+
+
+def _typed_options(section: str, cls, values: dict) -> dict:
+  """`values` checked against `cls`'s field types (JSON lists become tuples).
+
+  A config file is read as data: a string where a list belongs would split into
+  characters, a number in quotes compare unequal to every number.
+
+  Raises:
+    ConfigError: naming the option, its value and the type it needs.
+  """
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for option, value in values.items():
+    hint = hints[option]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+      hint = next(a for a in args if a is not type(None))
+    if value is None and optional:
+      out[option] = value
+      continue
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+      item = typing.get_args(hint)[0]
+      if not isinstance(value, (list, tuple)) or not all(_is_a(v, item) for v in value):
+        raise ConfigError(f"{section}.{option}", value,
+                          f"must be a list of {_KIND_NAMES[item].split()[-1]}s, e.g. {_example(item)}")
+      out[option] = tuple(value)
+    elif not _is_a(value, hint):
+      raise ConfigError(f"{section}.{option}", value,
+                        f"must be {'null or ' if optional else ''}{_KIND_NAMES[hint]}")
+    else:
+      out[option] = value
+  return out
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _is_a(value, kind) -> bool:
+  if kind is bool:
+    return isinstance(value, bool)
+  if kind is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if kind is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  return isinstance(value, kind)
+
+
+def _example(kind) -> str:
+  return '["head"]' if kind is str else "[80, 120]"
 
 
 # Step counts, seeds and sizes live in int32 on the devices.
@@ -279,6 +340,7 @@ def _validate_counts(config: RunConfig) -> None:
                              ("node_size", processes.node_size, 1)):
     if value is not None:
       _check_int(option, value, low)
+  _check_int("init_timeout", processes.init_timeout, 1)
   if processes.local_devices is not None:
     _check_int("local_devices", processes.local_devices, 1, 1024)
   _check_int("reuse_every", config.method.reuse_every, 1)
@@ -294,6 +356,10 @@ def _validate_schedule_and_plan(config: RunConfig) -> None:
     raise ConfigError("lr_decay_epochs", ",".join(map(str, schedule.lr_decay_epochs)),
                       "give epochs >= 0")
   check_link(plan.bandwidth, plan.latency)
+  data_dir = config.data.data_dir
+  if data_dir is not None and Path(data_dir).exists() and not Path(data_dir).is_dir():
+    raise ConfigError("data_dir", data_dir, "is a file, not a directory: give the folder that "
+                      "holds the data set (for CIFAR-10, cifar-10-batches-bin/ or its parent)")
   for option, path in (("plan", plan.plan), ("profile", plan.profile)):
     if path is not None and not Path(path).is_file():
       raise ConfigError(option, path, "no such file")
@@ -316,6 +382,50 @@ def _validate_run(config: RunConfig) -> None:
   if config.processes.flat and config.processes.node_size is not None:
     raise ConfigError("node_size", config.processes.node_size,
                       "a flat exchange has no nodes: give either --flat or --node-size")
+
+
+# Planning options that only a planner reads.
+PLANNER_OPTIONS = ("profile", "bandwidth", "latency")
+
+
+def check_used(config: RunConfig, given: Optional[dict[str, Any]] = None) -> None:
+  """Refuses an option the run would ignore: one its method does not take, or a planner's
+  option without a planner.
+
+  Args:
+    config: the run.
+    given: ``{section: {option: value}}`` set explicitly (command-line flags),
+      refused even at their default; None: the options that differ from
+      their defaults are checked.
+
+  Raises:
+    ConfigError: naming the first such option and what it applies to.
+  """
+  from dlgs_jax.compress.methods import METHODS
+
+  def set_in(section: str, defaults) -> list[str]:
+    if given is not None:
+      return list(given.get(section, {}))
+    values = getattr(config, section)
+    return [f.name for f in dataclasses.fields(values)
+            if getattr(values, f.name) != getattr(defaults, f.name)]
+
+  method = config.method
+  for option in set_in("method", MethodConfig()):
+    if option != "name" and option not in method.spec.options:
+      takers = [name for name, m in METHODS.items() if option in m.options]
+      raise ConfigError(option, getattr(method, option),
+                        f"applies to {', '.join(takers)}, not {method.name}; the run would "
+                        f"ignore it")
+  plan = config.plan
+  if plan.planner == "none":
+    for option in set_in("plan", PlanConfig()):
+      if option in PLANNER_OPTIONS:
+        raise ConfigError(option, getattr(plan, option),
+                          f"is read by a planner only: give --planner (one of "
+                          f"{PLANNERS[1:]}), or drop it")
+  elif "latency" in set_in("plan", PlanConfig()) and plan.bandwidth is None:
+    raise ConfigError("latency", plan.latency, "models a network with --bandwidth: give both")
 
 
 def load_config(path: str) -> RunConfig:

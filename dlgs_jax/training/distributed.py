@@ -23,6 +23,10 @@ ENV_PARENT_PID = "DLGS_PARENT_PID"  # set by dlgs-launch: die with it
 # A process whose peer died learns it from the coordination service's heartbeats:
 # within seconds rather than JAX's default 100 s; shutdown waits at most 30 s.
 _TIMEOUTS = {"heartbeat_timeout_seconds": 10, "shutdown_timeout_seconds": 30}
+# Seconds a process waits for all the others to join, by default. JAX's own limit
+# is set past ours: when it runs out, XLA aborts the process from C++.
+INIT_TIMEOUT = 120
+_JAX_GRACE = 60
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -77,6 +81,7 @@ def initialize(
     *,
     local_cpu_devices: Optional[int] = None,
     platform: Optional[str] = None,
+    init_timeout: int = INIT_TIMEOUT,
 ) -> None:
   """Starts `jax.distributed` when more than one process takes part.
 
@@ -89,6 +94,8 @@ def initialize(
     local_cpu_devices: simulated CPU devices in this process (CPU runs only;
       default ``DLGS_LOCAL_DEVICES`` or JAX's default of one).
     platform: "cpu" forces gloo CPU collectives; default: from ``JAX_PLATFORMS``.
+    init_timeout: seconds to wait for every process to join; then this process
+      says which it waited for and exits with status 1 (`_join_or_exit`).
 
   Raises:
     ValueError: when the settings are incomplete or inconsistent.
@@ -125,8 +132,51 @@ def initialize(
   if platform in (None, "cpu"):
     # gloo only matters for CPU collectives; GPU runs use NCCL regardless.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if isinstance(init_timeout, bool) or not isinstance(init_timeout, int) or init_timeout < 1:
+    raise ValueError(f"init_timeout must be an integer number of seconds >= 1, got "
+                     f"{init_timeout!r}")
+  timeouts = dict(_TIMEOUTS, initialization_timeout=init_timeout + _JAX_GRACE)
   if explicit:
-    jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                               **_TIMEOUTS)
-  else:
-    jax.distributed.initialize(**_TIMEOUTS)  # JAX reads SLURM's variables itself
+    _join_or_exit(lambda: jax.distributed.initialize(
+        coordinator_address, num_processes, process_id, **timeouts),
+        coordinator_address, num_processes, process_id, init_timeout)
+  else:  # JAX reads SLURM's variables itself
+    _join_or_exit(lambda: jax.distributed.initialize(**timeouts),
+                  f"the SLURM job's coordinator (job {os.environ.get('SLURM_JOB_ID')})",
+                  _env_int("SLURM_NTASKS"), _env_int("SLURM_PROCID"), init_timeout)
+
+
+def _join_or_exit(start, address: str, num_processes, process_id, timeout: int) -> None:
+  """Runs `start` (which blocks until every process has joined), saying what it waits for.
+
+  XLA ends a process whose join times out with a C++ abort and a stack trace;
+  a watchdog thread ends it first, in one line (exit status 1). A process
+  cannot see which of the others have joined: process 0 names all the others,
+  another process the coordinator it could not reach.
+  """
+  import threading
+
+  others = [i for i in range(num_processes or 0) if i != process_id]
+  waited = (f"{len(others)} more" if process_id == 0 else "process 0's coordinator")
+  print(f"process {process_id} of {num_processes} waiting for {waited} at {address}, "
+        f"timeout {timeout} s (--init-timeout)", file=sys.stderr, flush=True)
+
+  def give_up():
+    if process_id == 0:
+      missing = ", ".join(map(str, others[:8])) + (" ..." if len(others) > 8 else "")
+      why = (f"not every process joined: waited for process ids {missing} (one or more "
+             f"never started, or was given another --coordinator or --num-processes)")
+    else:
+      why = ("no coordinator answered, or not every process joined: start process 0 "
+             "there, every process with the same --coordinator and --num-processes")
+    print(f"process {process_id} of {num_processes} at {address}: gave up after {timeout} s: "
+          f"{why}; or raise --init-timeout", file=sys.stderr, flush=True)
+    os._exit(1)  # the main thread is blocked inside XLA's connect
+
+  watchdog = threading.Timer(timeout, give_up)
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    start()
+  finally:
+    watchdog.cancel()

@@ -106,6 +106,9 @@ def load_cifar10(data_dir) -> tuple[Dataset, Dataset]:
     if (root / sub).is_dir():
       root = root / sub
       break
+  if root.exists() and not root.is_dir():
+    raise ValueError(f"CIFAR-10 directory {str(data_dir)!r} is a file, not a directory: give "
+                     f"the folder that holds {CIFAR10_BIN_DIR}/ or its batches")
   if not root.is_dir():
     raise ValueError(f"CIFAR-10 directory {str(data_dir)!r} does not exist")
   binary = (root / CIFAR10_BIN_TRAIN_FILES[0]).is_file()

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -145,6 +147,7 @@ def data_parallel(
 
   def init(params, state=None) -> StepState:
     nonlocal loss
+    _check_not_module(params)
     if _is_nnx_module(params):
       if model_state or state is not None:
         raise ValueError(
@@ -152,7 +155,9 @@ def data_parallel(
             "init: its non-parameter state is split off and carried for you")
       from flax import nnx  # pylint: disable=g-import-not-at-top
 
+      _warn_if_eval_mode(params)
       graph, params, state = nnx.split(params, nnx.Param, ...)
+      _check_no_rng_streams(state)
       nnx_graph[:] = [graph]
       loss = _Loss(_nnx_loss(loss_fn, graph, has_aux, seed), True, has_aux, seed)
     return initial_state(tx, params, state, mesh)
@@ -220,6 +225,54 @@ def _is_nnx_module(x) -> bool:
   return isinstance(x, nnx.Module)
 
 
+def _check_not_module(params) -> None:
+  """Refuses a model class, or a Linen module, where `init` takes a module or parameters."""
+  if isinstance(params, type):
+    raise ValueError(
+        f"init got the class {params.__name__}, not a model: give it an instance (an "
+        f"nnx.Module such as {params.__name__}(nnx.Rngs(0))) or a parameter tree")
+  try:
+    from flax import linen  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  if isinstance(params, linen.Module):
+    raise ValueError(
+        f"init got the Linen module {type(params).__name__}, not its parameters: give it "
+        f"variables['params'] from variables = module.init(key, x), with a loss that "
+        f"applies them (module.apply({{'params': params}}, x))")
+
+
+def _check_no_rng_streams(rest) -> None:
+  """Refuses a module holding PRNG streams (``nnx.Dropout(rate, rngs=rngs)``).
+
+  A stream's key would be the same on every worker and could not be averaged
+  with the rest of the model state; the step's own key differs per step and worker.
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(rest)[0]:
+    if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
+      raise ValueError(
+          f"the module holds a PRNG stream at {jax.tree_util.keystr(path)} (an nnx.Rngs given "
+          f"to a layer, e.g. nnx.Dropout(rate, rngs=rngs)): build the layer without rngs, give "
+          f"data_parallel seed=0, and let the loss take the per-step, per-worker key: "
+          f"loss_fn(model, batch, key) calling model(x, rngs=nnx.Rngs(dropout=key))")
+
+
+def _warn_if_eval_mode(model) -> None:
+  """Warns when `model` is in eval mode: the step would train it in that mode."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  frozen = [f"{'/'.join(map(str, path)) or type(module).__name__} ({type(module).__name__})"
+            for path, module in nnx.iter_modules(model)
+            if getattr(module, "deterministic", None) is True
+            or getattr(module, "use_running_average", None) is True]
+  if frozen:
+    warnings.warn(
+        f"data_parallel.init: the module is in eval mode ({', '.join(frozen[:3])}"
+        f"{' ...' if len(frozen) > 3 else ''} deterministic or using running averages), and "
+        f"the step trains it in the mode it has now: call model.train() before "
+        f"dp.init(model), and model.eval() on dp.module(state) to evaluate", stacklevel=3)
+
+
 def _nnx_loss(loss_fn: Callable, graph, has_aux: bool, seed) -> Callable:
   """``loss_fn(model, batch[, key])`` as a loss of (params, rest, batch[, key]) returning the rest."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -278,7 +331,16 @@ class _Loss:
 
   def __call__(self, params, model_state, batch, key):
     args = (params, model_state, batch) if self.with_state else (params, batch)
-    out = self.fn(*args, key) if self.seed is not None else self.fn(*args)
+    try:
+      out = self.fn(*args, key) if self.seed is not None else self.fn(*args)
+    except Exception as e:  # pylint: disable=broad-except
+      if type(e).__name__ != "TraceContextError":
+        raise
+      raise ValueError(
+          "the loss changes an NNX object created outside the step (typically an nnx.Rngs "
+          "it closes over, for dropout): give data_parallel seed=0 and let the loss take "
+          "the per-step, per-worker key, loss_fn(model, batch, key), calling "
+          "model(x, rngs=nnx.Rngs(dropout=key))") from None
     value, rest = _loss_and_aux(out, self.with_state or self.has_aux, self.fn,
                                 "new_model_state" if self.with_state else "metrics",
                                 "model_state=True" if self.with_state else "has_aux=True")
@@ -286,7 +348,27 @@ class _Loss:
       new_state, aux = rest if self.has_aux else (rest, {})
     else:
       new_state, aux = model_state, (rest if self.has_aux else {})
-    return value, (new_state, dict(aux))
+    return value, (new_state, _scalar_metrics(aux))
+
+
+def _scalar_metrics(aux) -> dict:
+  """The loss's metrics as a dict, refusing anything but named scalars (averaged over workers).
+
+  Raises:
+    ValueError: for metrics that are not a dict, or a metric that is not a scalar.
+  """
+  if not isinstance(aux, Mapping):
+    raise ValueError(f"with has_aux=True the loss returns (loss, metrics), metrics a dict of "
+                     f"scalars, got a {type(aux).__name__}: return e.g. "
+                     f"(loss, {{'accuracy': accuracy}})")
+  for name, value in aux.items():
+    if jnp.ndim(value) != 0:
+      raise ValueError(
+          f"the metric {name!r} has shape {tuple(jnp.shape(value))}, but metrics are scalars "
+          f"averaged over the workers: reduce it in the loss (e.g. accuracy as "
+          f"jnp.mean(logits.argmax(-1) == labels)); per-example outputs such as logits for "
+          f"nnx.metrics belong in an evaluation pass on dp.module(state)")
+  return dict(aux)
 
 
 def _check_replicated(updates, opt_state, axis_name) -> None:
@@ -299,15 +381,26 @@ def _check_replicated(updates, opt_state, axis_name) -> None:
   before compiling.
   """
   axes = set(common.axes_of(axis_name))
+  axis = sorted(axes, key=str)[0]
   shared = parallel.map_state(lambda _: None, lambda node: node, opt_state)
+  compressed = bool(comm_stats_by_path(opt_state))
   for what, tree in (("update", updates), ("optimizer state", shared)):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if axes & collectives.varying_axes(leaf):
+      if not axes & collectives.varying_axes(leaf):
+        continue
+      if what == "update" and compressed:
+        # A compressor is in the chain, but this leaf went around it.
         raise ValueError(
-            f"the {what} at {jax.tree_util.keystr(path)} differs between workers: no "
-            f"dlgs_jax transform averaged the gradients before it; put one first in the "
-            f"chain, e.g. optax.chain(dlgs_jax.dlgs(0.01, axis_name="
-            f"{sorted(axes, key=str)[0]!r}), optax.adamw(1e-3))")
+            f"the update at {jax.tree_util.keystr(path)} differs between workers: the chain's "
+            f"dlgs_jax transform does not see this leaf (an optax.masked or optax.partition "
+            f"leaves it out); give every leaf a compressor, e.g. optax.partition with "
+            f"dlgs_jax.dense(axis_name={axis!r}) for the others, or send leaves whole with "
+            f"dlgs's send_whole")
+      raise ValueError(
+          f"the {what} at {jax.tree_util.keystr(path)} differs between workers: no "
+          f"dlgs_jax transform averaged the gradients before it; put one first in the "
+          f"chain, e.g. optax.chain(dlgs_jax.dlgs(0.01, axis_name={axis!r}), "
+          f"optax.adamw(1e-3))")
 
 
 def _loss_and_aux(out, paired: bool, fn, second: str = "metrics", why: str = "has_aux=True"
