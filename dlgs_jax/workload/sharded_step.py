@@ -358,9 +358,10 @@ def _scalar_metrics(aux) -> dict:
     ValueError: for metrics that are not a dict, or a metric that is not a scalar.
   """
   if not isinstance(aux, Mapping):
+    got = (f"an array of shape {tuple(jnp.shape(aux))}" if hasattr(aux, "shape")
+           else f"a {type(aux).__name__}")
     raise ValueError(f"with has_aux=True the loss returns (loss, metrics), metrics a dict of "
-                     f"scalars, got a {type(aux).__name__}: return e.g. "
-                     f"(loss, {{'accuracy': accuracy}})")
+                     f"scalars, got {got}: return e.g. (loss, {{'accuracy': accuracy}})")
   for name, value in aux.items():
     if jnp.ndim(value) != 0:
       raise ValueError(
