@@ -103,6 +103,27 @@ def test_the_own_step_page_trains_with_shard_map_and_loses_nothing_under_vmap(si
   assert len(linen) == 2 and linen[1] < 0.8 * linen[0]  # Linen with BatchNorm trains
 
 
+@pytest.mark.slow
+def test_the_porting_page_trains_evaluates_and_restores_an_nnx_script(site):
+  page = text_of(site, "porting_nnx")
+  losses = [float(x) for x in re.findall(r"step +\d+  loss (\d\.\d+)  accuracy", page)]
+  assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], losses
+  sent, dense = map(int, re.search(r"DLGS (\d+), a dense float32 all-reduce (\d+)", page).groups())
+  assert dense > 10 * sent
+  accuracy = float(re.search(r"'accuracy': (\d\.\d+)", page).group(1))
+  assert accuracy > 0.25  # ten classes: chance is 0.1
+  assert "restored module gives the same logits: True" in page
+  assert "NNX loss" in text_of(site, "own_step")
+
+
+def test_the_api_page_lists_every_public_name_in_a_readable_table():
+  """docs/api.md reads in the repository too, not only as the built site."""
+  table = (ROOT / "docs" / "api.md").read_text().split("## At a glance", 1)[1].split("\n## ")[0]
+  listed = re.findall(r"^\| `(\w+)` \| `(\w+)\(", table, re.M)
+  assert [name for name, _ in listed] == [call for _, call in listed]
+  assert sorted(name for name, _ in listed) == sorted(dlgs_jax.__all__)
+
+
 def text_of(site, page):
   return html.unescape(re.sub(r"<[^>]+>", "", (site / f"{page}.html").read_text()))
 
