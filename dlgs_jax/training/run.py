@@ -206,6 +206,7 @@ def build_run(config: RunConfig) -> Run:
 def run_identity(run: Run) -> dict:
   """What a checkpoint of this run must match: the config's identity and what it resolved to."""
   from dlgs_jax.training import reshard
+  from dlgs_jax.workload import data
 
   config, method, plan = run.config, run.config.method, run.plan
   identity = config.identity()
@@ -216,7 +217,10 @@ def run_identity(run: Run) -> dict:
       "dgc_warmup_steps": run.warmup if method.spec.holds_momentum else None,
       "plan_id": (hashlib.sha256(json.dumps(plan.groups).encode()).hexdigest()[:16]
                   if plan is not None else f"default:{config.plan.planner}"),
-      "dataset": run.dataset_name, "num_examples": int(len(run.train_set.labels)),
+      # The data by its kind and content, not its path: a copy elsewhere resumes,
+      # other files at the same path do not.
+      "dataset": run.dataset_name.split(":")[0], "data_sha256": data.content_digest(run.train_set),
+      "num_examples": int(len(run.train_set.labels)),
       "image_shape": list(run.train_set.image_shape), "num_classes": run.train_set.num_classes,
       "total_steps": run.total_steps,
   })

@@ -24,3 +24,24 @@ def test_a_data_directory_is_named_by_its_resolved_path(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path / "other")
   assert name(os.path.join("..", "real", folder.name)) == expected
   assert name(other.name) == f"cifar10:{os.path.realpath(other)}" != expected
+
+
+def test_a_dataset_is_identified_by_its_content_not_its_path(tmp_path):
+  """A checkpoint resumes on a copy of its data elsewhere, never on other files at its path."""
+  import shutil
+
+  from dlgs_jax.workload import data
+
+  folder, _ = write_cifar_bin_dir(tmp_path / "real")
+  copy = shutil.copytree(folder, tmp_path / "copy" / folder.name)
+  digest = data.content_digest(data.load_cifar10(folder)[0])
+  assert data.content_digest(data.load_cifar10(copy)[0]) == digest
+  batch = folder / data.CIFAR10_BIN_TRAIN_FILES[0]
+  raw = bytearray(batch.read_bytes())
+  raw[100] ^= 1  # one bit of one image
+  batch.write_bytes(bytes(raw))
+  assert data.content_digest(data.load_cifar10(folder)[0]) != digest
+  raw[0] = (raw[0] + 1) % 10  # a label instead
+  raw[100] ^= 1
+  batch.write_bytes(bytes(raw))
+  assert data.content_digest(data.load_cifar10(folder)[0]) != digest
