@@ -201,7 +201,6 @@ def _config_file(tmp_path, content: str) -> str:
 # (id, dlgs-train flags; "{tmp}" is a fresh directory, "{file}" a file in it, words)
 CLI_CASES = [
     ("topk-collective", "--method topk --collective gtopk", ["--collective", "not topk"]),
-    ("dense-density", "--method dense --density 0.1", ["--density 0.1", "not dense"]),
     ("lags-reuse-every", "--method lags --reuse-every 5", ["--reuse-every 5", "not lags"]),
     ("topk-refresh-below", "--method topk --refresh-below 0.3", ["--refresh-below", "not topk"]),
     ("lags-candidates", "--method lags --candidates 3", ["--candidates 3", "not lags"]),

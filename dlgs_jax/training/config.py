@@ -386,6 +386,9 @@ def _validate_run(config: RunConfig) -> None:
 
 # Planning options that only a planner reads.
 PLANNER_OPTIONS = ("profile", "bandwidth", "latency")
+# The option a sweep over methods shares: dense and TernGrad send everything whatever
+# it says, and refusing it would break every loop over methods at one density.
+SHARED_OPTIONS = ("density",)
 
 
 def check_used(config: RunConfig, given: Optional[dict[str, Any]] = None) -> None:
@@ -412,7 +415,7 @@ def check_used(config: RunConfig, given: Optional[dict[str, Any]] = None) -> Non
 
   method = config.method
   for option in set_in("method", MethodConfig()):
-    if option != "name" and option not in method.spec.options:
+    if option not in ("name",) + SHARED_OPTIONS and option not in method.spec.options:
       takers = [name for name, m in METHODS.items() if option in m.options]
       raise ConfigError(option, getattr(method, option),
                         f"applies to {', '.join(takers)}, not {method.name}; the run would "

@@ -149,15 +149,7 @@ def data_parallel(
     nonlocal loss
     _check_not_module(params)
     if _is_nnx_module(params):
-      if model_state or state is not None:
-        raise ValueError(
-            "data_parallel: with an nnx.Module, leave model_state=False and pass no state to "
-            "init: its non-parameter state is split off and carried for you")
-      from flax import nnx  # pylint: disable=g-import-not-at-top
-
-      _warn_if_eval_mode(params)
-      graph, params, state = nnx.split(params, nnx.Param, ...)
-      _check_no_rng_streams(state)
+      graph, params, state = _split_module(params, model_state or state is not None)
       nnx_graph[:] = [graph]
       loss = _Loss(_nnx_loss(loss_fn, graph, has_aux, seed), True, has_aux, seed)
     return initial_state(tx, params, state, mesh)
@@ -225,6 +217,20 @@ def _is_nnx_module(x) -> bool:
   return isinstance(x, nnx.Module)
 
 
+def _split_module(model, stateful: bool):
+  """(graph, parameters, the rest) of an nnx.Module, refusing what the step cannot train."""
+  if stateful:
+    raise ValueError(
+        "data_parallel: with an nnx.Module, leave model_state=False and pass no state to "
+        "init: its non-parameter state is split off and carried for you")
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  _warn_if_eval_mode(model)
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+  _check_no_rng_streams(rest)
+  return graph, params, rest
+
+
 def _check_not_module(params) -> None:
   """Refuses a model class, or a Linen module, where `init` takes a module or parameters."""
   if isinstance(params, type):
@@ -270,7 +276,7 @@ def _warn_if_eval_mode(model) -> None:
         f"data_parallel.init: the module is in eval mode ({', '.join(frozen[:3])}"
         f"{' ...' if len(frozen) > 3 else ''} deterministic or using running averages), and "
         f"the step trains it in the mode it has now: call model.train() before "
-        f"dp.init(model), and model.eval() on dp.module(state) to evaluate", stacklevel=3)
+        f"dp.init(model), and model.eval() on dp.module(state) to evaluate", stacklevel=4)
 
 
 def _nnx_loss(loss_fn: Callable, graph, has_aux: bool, seed) -> Callable:
