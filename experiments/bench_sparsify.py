@@ -193,7 +193,8 @@ def bench_config(name, density, reuse_every, repeats, with_updates, grouped, can
   return row
 
 
-def grouping_counts(leaf_counts=(20, 160), density: float = 0.01) -> list[dict]:
+def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool = True
+                    ) -> list[dict]:
   """Conditionals and kernels of DLGS's and LAGS's updates as the leaves grow.
 
   A model of `n` leaves (3x3x32x32 kernels and their biases); each transform
@@ -201,7 +202,7 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01) -> list[dict]:
   with one group per leaf. Compiled for this backend, not timed. On CPU DLGS
   keeps a group's leaves as they are (`engine.lay_out_by_default`), so its
   kernels grow with the leaves there; "dlgs laid out" compiles the view an
-  accelerator takes, one buffer per group.
+  accelerator takes, one buffer per group (left out with `laid_out` False).
   """
   rows = []
   for n in leaf_counts:
@@ -216,8 +217,9 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01) -> list[dict]:
       counts = programs.program_counts(tx.update, params, state)
       rows.append({"leaves": n, "transform": name, "groups": len(state.stats.groups),
                    **counts})
-    rows.append({"leaves": n, "transform": "dlgs laid out", "groups": 1,
-                 **_laid_out_counts(dlgs_jax.dlgs(density), params)})
+    if laid_out:
+      rows.append({"leaves": n, "transform": "dlgs laid out", "groups": 1,
+                   **_laid_out_counts(dlgs_jax.dlgs(density), params)})
   return rows
 
 

@@ -107,7 +107,7 @@ def test_the_own_step_page_trains_with_shard_map_and_loses_nothing_under_vmap(si
 def test_the_porting_page_trains_evaluates_and_restores_an_nnx_script(site):
   page = text_of(site, "porting_nnx")
   losses = [float(x) for x in re.findall(r"step +\d+  loss (\d\.\d+)  accuracy", page)]
-  assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], losses
+  assert len(losses) == 5 and losses[-1] < 0.85 * losses[0], losses
   sent, dense = map(int, re.search(r"DLGS (\d+), a dense float32 all-reduce (\d+)", page).groups())
   assert dense > 10 * sent
   accuracy = float(re.search(r"'accuracy': (\d\.\d+)", page).group(1))

@@ -690,12 +690,12 @@ def test_the_default_grouping_keeps_an_updates_conditionals_as_leaves_grow():
   # One bucket of small leaves: the same conditionals at 8 and 32 leaves;
   # one group per leaf: more with every leaf. (LAGS's top-k stays per leaf
   # either way; bucketing merges its messages.)
-  rows = load("bench_sparsify").grouping_counts((8, 32))
+  rows = load("bench_sparsify").grouping_counts((4, 16), laid_out=False)
   by = {(r["leaves"], r["transform"]): r for r in rows}
-  assert by[8, "dlgs"]["groups"] == by[32, "dlgs"]["groups"] == 1
-  assert by[8, "dlgs"]["conditionals"] == by[32, "dlgs"]["conditionals"]
-  assert by[32, "dlgs per leaf"]["groups"] == 32
-  assert by[32, "dlgs per leaf"]["conditionals"] > 3 * by[8, "dlgs"]["conditionals"]
-  assert (by[32, "lags"]["groups"], by[32, "lags per leaf"]["groups"]) == (1, 32)
-  assert by[32, "lags"]["top_k"] == by[32, "lags per leaf"]["top_k"] == 32
+  assert by[4, "dlgs"]["groups"] == by[16, "dlgs"]["groups"] == 1
+  assert by[4, "dlgs"]["conditionals"] == by[16, "dlgs"]["conditionals"]
+  assert by[16, "dlgs per leaf"]["groups"] == 16
+  assert by[16, "dlgs per leaf"]["conditionals"] > 3 * by[4, "dlgs"]["conditionals"]
+  assert (by[16, "lags"]["groups"], by[16, "lags per leaf"]["groups"]) == (1, 16)
+  assert by[16, "lags"]["top_k"] == by[16, "lags per leaf"]["top_k"] == 16
 
