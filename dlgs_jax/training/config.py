@@ -284,7 +284,8 @@ def _typed_options(section: str, cls, values: dict) -> dict:
       item = typing.get_args(hint)[0]
       if not isinstance(value, (list, tuple)) or not all(_is_a(v, item) for v in value):
         raise ConfigError(f"{section}.{option}", value,
-                          f"must be a list of {_KIND_NAMES[item].split()[-1]}s, e.g. {_example(item)}")
+                          f"must be a list of {_KIND_NAMES[item].split()[-1]}s, e.g. "
+                          f"{_example(item)}")
       out[option] = tuple(value)
     elif not _is_a(value, hint):
       raise ConfigError(f"{section}.{option}", value,
