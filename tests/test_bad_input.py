@@ -192,6 +192,16 @@ def test_api_refuses_in_one_line(call, words):
     assert word in message, (word, message)
 
 
+def _refused_in_one_line(argv, words) -> None:
+  """dlgs-train's flags `argv` end in one line holding every one of `words`."""
+  with pytest.raises(SystemExit) as error:
+    train_cli.config_from_args(argv)
+  message = str(error.value.code)
+  assert message.startswith("dlgs-train: ") and "\n" not in message, message
+  for word in words:
+    assert word in message, (word, message)
+
+
 def _config_file(tmp_path, content: str) -> str:
   path = tmp_path / "config.json"
   path.write_text(content)
@@ -252,24 +262,13 @@ def test_train_flags_refused_in_one_line(flags, words, tmp_path):
   file = tmp_path / "file.txt"
   file.write_text("not a plan")
   argv = flags.format(tmp=tmp_path, file=file).split() + ["--workdir", str(tmp_path / "run")]
-  with pytest.raises(SystemExit) as error:
-    train_cli.config_from_args(argv)
-  message = str(error.value.code)
-  assert message.startswith("dlgs-train: ") and "\n" not in message, message
-  for word in words:
-    assert word in message, (word, message)
+  _refused_in_one_line(argv, words)
 
 
 @pytest.mark.parametrize("content,words", [c[1:] for c in CONFIG_CASES],
                          ids=[c[0] for c in CONFIG_CASES])
 def test_config_files_refused_in_one_line(content, words, tmp_path):
-  path = _config_file(tmp_path, content)
-  with pytest.raises(SystemExit) as error:
-    train_cli.config_from_args(["--config", path])
-  message = str(error.value.code)
-  assert message.startswith("dlgs-train: ") and "\n" not in message, message
-  for word in words:
-    assert word in message, (word, message)
+  _refused_in_one_line(["--config", _config_file(tmp_path, content)], words)
 
 
 def test_config_file_of_the_right_types_is_read(tmp_path):
