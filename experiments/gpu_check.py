@@ -1,7 +1,8 @@
 """The device check: each method's update against its memory floor, and forward+backward.
 
-One command for a short device slot (about 8 minutes on one H100, compilation
-included), and the same script at reduced sizes on CPU (the tests run it):
+One command that fits a limited time on an accelerator (`--budget-s`; its run
+time is in the report), and the same script at reduced sizes on CPU (the tests
+run it):
 
     python experiments/gpu_check.py                          # VGG16, ResNet-50; 0.01, 0.1
     python experiments/gpu_check.py --small                  # ResNet-20, tiny batches (CPU)

@@ -119,3 +119,56 @@ def test_no_module_reaches_into_another_modules_privates():
       if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dlgs_jax"):
         reached += [(name, node.module, a.name) for a in node.names if a.name.startswith("_")]
   assert reached == []
+
+
+# A number with a unit of time, or a percentage: a measurement, which belongs in the
+# report (experiments/performance_notes.md), written once and dated.
+TIMING = r"(?<![\w.])\d[\d.,]*\s?(?:ms|µs|us|s)\b|(?<![\w.])\d[\d.,]*\s?%"
+# Constants that justify code, not one machine's timings: (module, the words).
+TIMING_ALLOWED = {
+    ("dlgs_jax.training.distributed", "100 s"),  # JAX's default heartbeat timeout
+    ("dlgs_jax.training.distributed", "30 s"),   # the shutdown timeout it sets
+    ("dlgs_jax.workload.sharded_step", "40 s"),  # XLA:CPU's collective abort
+    ("dlgs_jax.compress.engine", "3%"),          # 1/sqrt(1024): counting error
+    ("dlgs_jax.compress.engine", "9%"),          # 2^(1/8): the candidates' step
+    ("dlgs_jax.compress.segmented", "7%"),       # a count's spread around 1.5 k
+    ("dlgs_jax.compress.selection", "7%"),
+    ("dlgs_jax.profiling.in_step", "95%"),       # a confidence level
+    ("dlgs_jax.profiling.timing", "95%"),
+}
+
+
+def prose_of(path: Path) -> list[tuple[int, str]]:
+  """(line, text) of every docstring and comment of a module."""
+  import io
+  import tokenize
+
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      doc = ast.get_docstring(node, clean=False)
+      if doc:
+        found.append((node.body[0].lineno, doc))
+  for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+    if token.type == tokenize.COMMENT:
+      found.append((token.start[0], token.string))
+  return found
+
+
+def test_library_prose_quotes_no_measured_timings():
+  import re
+
+  found = []
+  for name, path in modules().items():
+    for line, text in prose_of(path):
+      for hit in re.findall(TIMING, " ".join(text.split())):
+        if (name, hit) not in TIMING_ALLOWED:
+          found.append(f"{name}:{line}: {hit!r}")
+  assert not found, found
+
+
+def test_the_timing_rule_sees_a_timing():
+  import re
+
+  assert re.findall(TIMING, "it took 36-43 ms and +53% on the step, 0.22 s in all, 3us "
+                            "each; 2 steps, v0.11s") == ["43 ms", "53%", "0.22 s", "3us"]

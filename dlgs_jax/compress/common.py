@@ -107,7 +107,7 @@ def check_groups(groups, order):
 def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
   """Whether every value of `leaves` is finite on every worker (bool scalar)."""
   # A boolean any, not a count: XLA:CPU reduces a bool to a flag in one fast
-  # pass, while counting (bool -> int32, then a sum) took ~8x longer.
+  # pass, while counting (bool -> int32, then a sum) took several times longer.
   bad = jnp.zeros((), jnp.bool_)
   for leaf in leaves:
     bad = bad | jnp.any(~jnp.isfinite(leaf))

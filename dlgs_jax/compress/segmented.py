@@ -284,8 +284,8 @@ class Values:
 
   Both give the same words, samples and values. The buffer makes each pass
   one kernel over all leaves (GPU); leaf by leaf avoids writing a copy of the
-  whole model, which XLA:CPU allocates afresh every step (measured on
-  ResNet-50: 36-43 ms to lay out 25.6M values against 6 ms for the passes).
+  whole model, which XLA:CPU allocates afresh every step, and which on ResNet-50
+  cost several times the passes themselves (experiments/performance_notes.md).
   """
   segs: Segments
   flat: Optional[jax.Array] = None
@@ -344,8 +344,8 @@ class Values:
 
     Laid out first in either view: passes leaf by leaf would put ~31 kernels
     per leaf into the conditional that holds this fallback, and XLA:CPU pays
-    for every kernel of a conditional's branches on each call, taken or not
-    (ResNet-50: ~5 ms a step); the copy is paid only where the fallback runs.
+    for every kernel of a conditional's branches on each call, taken or not;
+    the copy is paid only where the fallback runs.
     """
     flat = self.flat if self.flat is not None else lay_out(self.leaves, self.segs)
     return kth_largest(flat, self.segs, ks)
@@ -377,15 +377,13 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   about 2 k_l (small leaves: all their values) and `kth_largest` runs on those.
   Where a bound misses (fewer than k_l or more than the buffer pass, unless
   the bound is 0 and every nonzero value passed), one conditional runs the
-  bisection on the whole leaves, so the result is always exact:
-  `selection.kth_largest_abs`, leaf by leaf.
+  bisection on the whole leaves (`kth_largest`), so the result is always exact.
 
   A group of a few leaves kept leaf by leaf (CPU) takes the same steps leaf
   by leaf with a sort for the k-th largest (`_kth_by_sort`): XLA:CPU pays for
-  every kernel of a conditional's branches on each call, taken or not (~1 us
-  each), and the batched passes are ~100 kernels whatever the number of
-  leaves, against ~20 per leaf there (ResNet-50, one group per leaf: 27
-  against 42 ms a step).
+  every kernel of a conditional's branches on each call, taken or not, and
+  the batched passes are ~100 kernels whatever the number of leaves, against
+  ~20 per leaf there (measured on ResNet-50: experiments/performance_notes.md).
   """
   segs = values.segs
   if values.flat is None and len(segs.sizes) <= _FEW_LEAVES:

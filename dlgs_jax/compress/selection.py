@@ -38,9 +38,8 @@ def num_to_keep(density: float, size: int) -> int:
   return int(min(size, max(1, math.ceil(density * size - 1e-9))))
 
 
-# Up to this size a full sort is as cheap as the sampled path (one core:
-# 0.11 ms for either at 32768 values, density 0.01; at 131072 0.77 ms sorted
-# against 0.21 ms sampled).
+# Up to this size a full sort is as cheap as the sampled path on one core; at
+# four times it the sort costs several times more (experiments/performance_notes.md).
 SMALL_LEAF = 1 << 15
 
 

@@ -75,7 +75,7 @@ class Profile:
       exactly per step with the refresh rule on (`profiling.measure_refresh`),
       or None when not measured. The fixed schedule alone gives
       ``1 / reuse_every``; the refresh rule recomputes stale thresholds early,
-      measured at 57-89% on ResNet-20 and VGG16 (experiments/README.md).
+      as measured on ResNet-20 and VGG16 (experiments/README.md).
   """
   model: str
   paths: tuple[str, ...]

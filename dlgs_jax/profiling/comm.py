@@ -39,8 +39,8 @@ def measure_comm(mesh: Mesh, sizes: Sequence[int], density: float, *,
   with `chain` independent collectives in one jitted program. A lone
   collective's time also carries the cost of launching a program and of the
   workers' arrival skew, which a training step pays once, not once per
-  collective: fitted from lone collectives, alpha came out 7.3-7.8 ms on the
-  emulated cluster where LAGS's 59 collectives per step cost ~5.9 ms each.
+  collective: fitted from lone collectives, alpha overpriced the collectives of
+  a step (experiments/performance_notes.md).
 
   Args:
     mesh: the mesh whose devices all take part.

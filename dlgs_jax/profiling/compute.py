@@ -74,8 +74,9 @@ def _has_path(tree, path) -> bool:
 
 
 # Timed calls of the forward and forward+backward totals: a compute-bound
-# step's prediction is mostly this number, and 5 calls in lockstep on this
-# project's CPU cluster strayed 20% from the runs' 20-call medians.
+# step's prediction is mostly this number, and a few calls in lockstep on the
+# emulated CPU cluster strayed far from the runs' medians of this many
+# (experiments/performance_notes.md).
 COMPUTE_TOTAL_REPEATS = 20
 
 
@@ -89,10 +90,9 @@ def measure_compute(model: nn.Module, variables: dict, images: jax.Array, labels
   and the forward+backward totals, which the per-layer times are scaled to
   and which decide a compute-bound step's prediction, `total_repeats` times.
   With `batches` the totals are timed on the train step's own program
-  (`losses.batch_loss` on raw uint8 batches, cycled through): a profile
-  timed with 5 repeats on one noise batch measured ResNet-20's
-  forward+backward at 82.7 ms where the benchmark's runs on the same machine
-  that hour measured 68-69 ms.
+  (`losses.batch_loss` on raw uint8 batches, cycled through): timed with a
+  few repeats on one noise batch, ResNet-20's forward+backward came out a fifth
+  above what the benchmark's runs measured (experiments/performance_notes.md).
 
   Args:
     model: the Flax classifier.

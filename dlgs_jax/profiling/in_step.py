@@ -1,7 +1,7 @@
 """The update as the train step pays for it, and DLGS's measured refresh rate.
 
 A program of its own prices memory-bound updates above what the train step pays
-for them (ResNet-50: the dense optimizer 53 ms alone, 12 ms in the step), so
+for them (experiments/performance_notes.md), so
 each method's whole-model update is timed inside the step too, in paired rounds
 with the gradients program (`measure_update_in_step`), and its fitted cost is
 scaled to that where the rounds resolve it (`in_step_factors`,
@@ -70,7 +70,7 @@ def train_locally(model: nn.Module, variables: dict, images: np.ndarray, labels:
   Gradients at initialisation are not the ones training sends: ResNets
   zero-initialise the last BatchNorm scale of each residual branch, so every
   other parameter of the branch has an exactly zero gradient until the first
-  step moves that scale (81% of ResNet-50's gradient values at 32x32 input).
+  step moves that scale (most of ResNet-50's gradient values at 32x32 input).
   A selection's cost depends on its values (sorting ties is cheap), so the
   profile times the updates on gradients taken after a few real steps.
 
@@ -108,8 +108,8 @@ def train_locally(model: nn.Module, variables: dict, images: np.ndarray, labels:
 IN_STEP_ROUNDS = 12
 # The in-step update replaces the standalone one only where its confidence
 # interval is at most this share of the standalone time wide: on a model whose
-# update is a small part of the step (ResNet-20: the dense optimizer of 0.27M
-# values against ~70 ms of backward) the paired difference is noise, and
+# update is a small part of the step (ResNet-20's dense optimizer against its
+# backward pass) the paired difference is noise, and
 # scaling by it made the predictions worse (experiments/README.md).
 IN_STEP_RESOLUTION = 0.5
 
@@ -122,10 +122,9 @@ def measure_update_in_step(model: nn.Module, variables: dict, batches: tuple[np.
   """Each method's whole-model update as one worker's train step pays it, in paired rounds.
 
   Timed alone, a memory-bound update costs more than inside the step that
-  computes its gradients: on ResNet-50 (32x32, batch 8, one process) the dense
-  optimizer over 25.6M values took 53 ms alone and 12 ms inside the step, and
-  DLGS's reuse step 340 ms against 255 ms, while selections that sort cost
-  about the same (DLGS's exact step 1.45 s against 1.35 s). In a round this
+  computes its gradients, while selections that sort cost about the same (the
+  dense optimizer, DLGS's reuse and exact steps on ResNet-50:
+  experiments/performance_notes.md). In a round this
   times the gradients program (`losses.batch_gradients`) and the program
   the benchmark's `compress` runs -- those gradients, `method`'s local update
   (``axis_name=None``, training's optimizer and rate) and the params update

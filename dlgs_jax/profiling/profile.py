@@ -18,16 +18,14 @@
   model, or planned groups) send a group as one message, the per-leaf methods
   (`PER_LEAF_METHODS`) each leaf as its own message in one program, fitted as
   ``m * alpha + beta * elements`` (`fit_per_leaf`). One leaf as large as the
-  model is not what they run: on ResNet-50 at density 0.1 DLGS's update of
-  one 25.6M-value leaf took 5.0 s, where the benchmark measured 0.52 s a step
-  on the model's 161 leaves (the whole-model line predicted that step +191%);
-  nor is normal noise what they select from (`measure_update`). DLGS's exact
+  model is not what they run: on ResNet-50 DLGS's update of one leaf as large
+  as the model took ten times the step the benchmark measured on its 161
+  leaves; nor is normal noise what they select from (`measure_update`). DLGS's exact
   and reuse steps are fitted apart and also amortised over its reuse period.
   Timing the selection alone misses the bookkeeping, which on CPU costs more
-  than the selection (ResNet-50 DLGS: 0.89 s measured against 0.18 s of
-  selection). A program of its own also prices memory-bound updates above
-  what the train step pays for them (ResNet-50: the dense optimizer 53 ms
-  alone, 12 ms in the step), so each method's whole-model update is timed
+  than the selection. A program of its own also prices memory-bound updates
+  above what the train step pays for them (both measured on ResNet-50:
+  experiments/performance_notes.md), so each method's whole-model update is timed
   inside the step too, in paired rounds with the gradients program
   (`measure_update_in_step`), and its fitted cost is scaled to that where
   the rounds resolve it (`in_step_factors`, `scale_update_costs`).

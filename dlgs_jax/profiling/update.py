@@ -35,10 +35,9 @@ def fit_update(raw: dict[str, list], largest_leaf: int) -> dict[str, LinearCost]
   """Fits each method's update cost over the message sizes it sends.
 
   The standalone update time grows faster than linearly with the message
-  (ResNet-50 LAGS: 2.4e-8 s per value at 0.8M values, 7.8e-8 at 25M), so one
-  line through the whole range overprices the small messages of per-leaf
-  methods: the line fitted up to 25M values priced ResNet-50's LAGS update at
-  1.97 s where the runs measured 0.32 s (+53% on the step). `PER_LEAF_METHODS`
+  (three times the cost per value from 0.8M to 25M values for ResNet-50's
+  LAGS), so one line through the whole range overprices the small messages of
+  per-leaf methods several-fold (experiments/performance_notes.md). `PER_LEAF_METHODS`
   are fitted over the sizes up to `largest_leaf` (at least the two smallest);
   the others (one message for the model, or planned groups up to it) over all,
   or over "group_sizes" where `measure_update` timed them on groups of the
@@ -79,9 +78,9 @@ def fit_per_leaf(leaves: Sequence[int], elements: Sequence[int],
   updating m leaves of S elements in all costs ``m * alpha + beta * S``: alpha
   is the marginal cost of one more leaf *inside* a program, which is what the
   train step pays 161 times on ResNet-50 -- not the cost of launching a
-  one-leaf program, which single-leaf timings put into alpha (ResNet-20: 0.43
-  ms per leaf, against 2-16 ms measured for all 65 leaves together). Least
-  squares with both coefficients kept >= 0.
+  one-leaf program, which single-leaf timings put into alpha (ResNet-20:
+  experiments/performance_notes.md). Least squares with both coefficients kept
+  >= 0.
 
   Args:
     leaves: leaves per timed program (m).
@@ -204,9 +203,9 @@ def measure_update(sizes: Sequence[int], density: float, *,
 
   The values and the state matter, since a selection's cost depends on them:
   sorting ties is cheap, and ResNet-50's gradients at initialisation (32x32
-  input) are 81% exact zeros (Top-k over the 25.6M values: 2.0 s on them
-  against 4.7 s on gradients after 10 training steps, 25% zeros; see
-  `train_locally` and experiments/selection_values.py). So pass
+  input) are mostly exact zeros, on which Top-k ran in less than half the time
+  it takes after a few training steps (experiments/performance_notes.md;
+  `train_locally`). So pass
   gradients from a model that has trained a few steps, as `profile_model`
   does; each timed step first runs `warmup_steps` updates, on all but the
   last batch of `leaf_grads` in turn, and is then timed on the last: the

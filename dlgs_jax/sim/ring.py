@@ -1,4 +1,7 @@
-"""Ring reduce-scatter with a slow node: a discrete-event simulator (seed 002).
+"""Ring reduce-scatter with a slow node: a discrete-event simulator.
+
+After Zhang, Deng, Song, Xue, Guo and Huang, "Network communication optimization
+techniques for distributed machine learning" (2024).
 
 P nodes in a ring reduce P chunks. Chunk c starts at node c, which sends its own
 part to c+1 at time 0; every node on the way adds its part and forwards, and
@@ -8,7 +11,7 @@ operation can start when the node is free and has received the contributions
 of every node before it on the chunk's path, takes T (the slow node: T + ΔT),
 and its result reaches the next node T_trans later.
 
-The strategy (Zhang et al., seed 002): a node C whose predecessor B is late
+The strategy (Zhang et al. 2024): a node C whose predecessor B is late
 waits at most ``α·T + T_trans`` after starting its previous operation, then
 forwards its own part of the chunk straight to the next node D and moves on;
 B, seeing that its result would arrive after C's deadline, sends it straight
@@ -16,12 +19,12 @@ to D, which reduces both in one operation. A node never skips a chunk it
 owns. Only the reduce-scatter differs from the plain ring (the all-gather that
 follows is the same), so only it is simulated.
 
-Closed forms of the time saved until D holds the late chunk (seed eqs. 1-2),
+Closed forms of the time saved until D holds the late chunk (the paper's eqs. 1-2),
 when D is idle by the time the data arrives:
 ``T_trans + T`` if ``T + ΔT > α·T + T_trans``; ``ΔT + (2 - α)·T`` if
 ``α·T < T + ΔT <= α·T + T_trans``; 0 if ``T + ΔT <= α·T`` (no trigger).
 
-    python -m dlgs_jax.sim.ring                  # the seed's study, plots in runs/ring
+    python -m dlgs_jax.sim.ring                  # the paper's study, plots in runs/ring
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def simulate_reduce_scatter(nodes: int, T: float, T_trans: float, delta: float =
     slow_node: which node is slow.
     alpha: the strategy's threshold factor (> 1); ``None`` is the plain ring.
     slow_ops: "first" (the slow node is slow in its first operation, the case
-      the seed analyses) or "all" (every operation of the slow node).
+      the paper analyses) or "all" (every operation of the slow node).
 
   Returns:
     A `RingResult`.
@@ -188,7 +191,7 @@ class _RingSimulation:
 
 
 def saved_time_closed_form(T: float, T_trans: float, delta: float, alpha: float) -> float:
-  """Seed 002 eqs. (1)-(2): time saved until D holds the slow node's chunk."""
+  """The paper's eqs. (1)-(2): time saved until D holds the slow node's chunk."""
   if T + delta <= alpha * T:
     return 0.0
   if T + delta > alpha * T + T_trans:
@@ -236,7 +239,7 @@ def main(argv=None) -> int:
   from dlgs_jax.planning.network import parse_bandwidth
 
   parser = argparse.ArgumentParser(prog="python -m dlgs_jax.sim.ring",
-                                   description="Slow-node ring reduce-scatter study (seed 002).")
+                                   description="Slow-node ring reduce-scatter study (Zhang et al. 2024).")
   parser.add_argument("--nodes", type=int, default=4)
   parser.add_argument("--T", type=_seconds, default=3e-6, help="per-step time, e.g. 3us")
   parser.add_argument("--link-delay", type=_seconds, default=5e-6)
@@ -281,7 +284,7 @@ def main(argv=None) -> int:
   print(f"\nlargest saving: {best['saving'] * 100:.1f}% of the reduce-scatter time at "
         f"alpha = {best['alpha']:g}, dT = {best['delta'] * 1e6:.2f} us "
         f"(T_ring {best['t_ring'] * 1e6:.2f} us -> {best['t_strategy'] * 1e6:.2f} us); "
-        "the seed reports up to 25.3%")
+        "the paper reports up to 25.3%")
   (out / "ring_study.json").write_text(json.dumps(
       {"nodes": args.nodes, "T": T, "T_trans": T_trans, "slow_ops": args.slow_ops,
        "rows": rows, "best": best}, indent=1))
@@ -307,7 +310,7 @@ def _plot(rows, alphas, out, nodes):
             linewidth=0.9)
   ax.set_xlabel("slow node's extra time dT (us)")
   ax.set_ylabel("reduce-scatter time (us)")
-  ax.set_title(f"{nodes} nodes: time vs dT (seed 002 Fig. 7)", fontsize=9)
+  ax.set_title(f"{nodes} nodes: time vs dT (Zhang et al. 2024, Fig. 7)", fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(out / "ring_time_vs_delta.png", dpi=110)

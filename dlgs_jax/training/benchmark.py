@@ -27,8 +27,8 @@ Breakdown (medians): compute; sparsification = compress - compute;
 non-overlapped communication = step - compress; communication alone =
 exchange - update (the two programs differ only by the collectives); overlap =
 communication alone - non-overlapped. "Communication alone" can be far below
-what the collectives cost by themselves: TernGrad's 161 all-gathers on
-ResNet-50 added 0.22 s to its update, about a sixth of their latency-bound price.
+what the collectives cost by themselves (TernGrad's 161 all-gathers on
+ResNet-50: experiments/performance_notes.md).
 
 `compare` times only the train steps of several methods in one job,
 interleaved: ``rounds`` rounds, each timing ``steps`` steps of every method, the

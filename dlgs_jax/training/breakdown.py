@@ -53,7 +53,7 @@ class _Programs:
     """Times compute, compress, exchange and update where the timed steps left the model.
 
     Not at initialisation: there ResNets' zero-initialised residual scales make
-    most gradients exact zeros (81% on ResNet-50), and a selection's cost depends
+    most gradients exact zeros, and a selection's cost depends
     on its values (sorting ties is cheap).
     """
     import optax

@@ -54,11 +54,11 @@ def compile_in_turns(compile_all: Callable[[], None], slots: Optional[int]
 
   if jax.process_count() == 1:
     return _timed(compile_all)
-  # The first collective sets up the processes' connections (gloo: within 30 s
-  # of each other), so it runs before compiling, while the processes are
-  # together; later barriers wait as long as a turn. Processes compiling at
-  # once finish apart too: VGG16's train steps took 719-747 s in four
-  # processes, and a first step after them failed to connect.
+  # The first collective sets up the processes' connections (gloo wants them
+  # close together in time), so it runs before compiling, while the processes
+  # are together; later barriers wait as long as a turn. Processes compiling at
+  # once finish far apart too, and a first step after them failed to connect
+  # (experiments/performance_notes.md).
   multihost_utils.sync_global_devices("compile turns")
   slots = jax.process_count() if slots is None else slots
   turns = turn_of(jax.process_count() - 1, slots) + 1

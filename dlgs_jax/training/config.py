@@ -25,9 +25,11 @@ from typing import Any, Optional
 
 from dlgs_jax.compress.methods import ConfigError, MethodConfig
 from dlgs_jax.compress.optimizer import OptimizerConfig
+from dlgs_jax.planning import planner
 from dlgs_jax.training.distributed import INIT_TIMEOUT
 
-PLANNERS = ("none", "wfbp", "single", "greedy", "optimal")
+# "none": no planner (dense fuses everything into one message, LAGS/DLGS one per leaf).
+PLANNERS = ("none",) + planner.PLANNERS
 DATASETS = ("auto", "cifar10", "imagefolder", "synthetic")
 CIFAR_MODELS = ("smallcnn", "resnet20", "vgg16")
 

@@ -24,10 +24,10 @@ def init_variables(model: nn.Module, sample: np.ndarray, seed: int) -> dict:
   Returns:
     ``model.init``'s variables (``params`` and, for BatchNorm models, ``batch_stats``).
   """
-  # Jitted, as it runs faster than op by op (SmallCNN on a 2-core CPU: 3.3 s
-  # against 6.0 s), but compiling it still costs 3 s (SmallCNN) to 8 s
-  # (ResNet-20) there: callers that need the variables before the train state
-  # pass them to `train_state_from_variables` rather than initialise twice.
+  # Jitted, as it runs faster than op by op, but compiling it still costs
+  # seconds on a CPU (experiments/performance_notes.md): callers that need the
+  # variables before the train state pass them to `train_state_from_variables`
+  # rather than initialise twice.
   sample = np.zeros(np.shape(sample), np.float32)
   return jax.jit(lambda key: model.init(key, sample, train=False))(jax.random.key(seed))
 
