@@ -274,7 +274,7 @@ def main(argv=None) -> int:
   print(f"{args.nodes} nodes, T = {T * 1e6:g} us, T_trans = {T_trans * 1e6:.3f} us "
         f"({args.link_delay * 1e6:g} us link + {args.packet:g} B at {args.bandwidth}), "
         f"slow node slow in {args.slow_ops} operation(s)")
-  print("| alpha | dT us | T_ring us | T_strategy us | saving | late chunk saved us | eqs. 1-2 us |")
+  print("| alpha | dT us | T_ring us | T_strategy us | saving | late chunk saved us | eqs. (1)-(2) us |")
   print("|---|---|---|---|---|---|---|")
   for r in rows:
     if round(r["delta"] * 1e6, 6) % 5 == 0:
