@@ -28,6 +28,14 @@ What it measures, per model (VGG16 and ResNet-50 leaf shapes) and density:
   (`profiling.programs`), read from the executable that is timed.
 * **Forward+backward** of the model at a realistic batch, so the update's share
   of a step is known.
+* **The whole step** (``--whole-step``, on by default): forward, backward and
+  the update in one jitted program, one worker (P = 1), at that batch, for
+  dense, Top-k and DLGS under both rules (default grouping), over one reuse
+  period: what a user's step costs, fused as XLA fuses it.
+* **The bandwidth floor**: the floor pass's bytes (the gradient and the
+  residual read, the message and the residual written) over the bandwidth a
+  large device-to-device copy reaches, so each update is also given as a
+  multiple of what memory allows.
 
 Work runs in order of importance (floors and forward+backward, then density
 0.01 with one group, then the default grouping, then 0.1) and stops starting
@@ -169,6 +177,71 @@ def forward_backward_ms(name: str, batch: int, side: int, rounds: int) -> float:
   return statistics.median(times) * 1e3
 
 
+def copy_bandwidth(values: int, rounds: int) -> float:
+  """Bytes per second a device-to-device copy of `values` float32 reaches (read + write)."""
+  x = jnp.arange(values, dtype=jnp.float32)
+  copy = jax.jit(lambda v: v * 1.0)
+  jax.block_until_ready(copy(x))
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    jax.block_until_ready(copy(x))
+    times.append(time.perf_counter() - start)
+  return 2 * 4 * values / statistics.median(times)
+
+
+def floor_bytes(params: int) -> int:
+  """Bytes the floor pass moves: g and e read, the message and the new e written (float32)."""
+  return 4 * 4 * params
+
+
+def whole_step_ms(name: str, batch: int, side: int, tx, reuse_every: int, rounds: int
+                  ) -> float:
+  """Median ms of one step of forward, backward and `tx`'s update in one program (P = 1).
+
+  Timed over whole reuse periods of `reuse_every` steps, after one, so that
+  DLGS's exact and reuse steps both count.
+  """
+  import optax  # pylint: disable=g-import-not-at-top
+
+  model, shape = models.create_model(name)
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.integers(0, 256, (batch, side, side, shape[2]), dtype=np.uint8))
+  labels = jnp.asarray(rng.integers(0, 10, batch).astype(np.int32))
+  variables = losses.init_variables(model, np.zeros((1, side, side, shape[2]), np.float32), 0)
+  params, batch_stats = variables["params"], variables.get("batch_stats", {})
+
+  @jax.jit
+  def step(params, opt_state, batch_stats):
+    grads, mutated = losses.batch_gradients(model, params, batch_stats, images, labels)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            mutated.get("batch_stats", batch_stats))
+
+  carry = (params, tx.init(params), batch_stats)
+
+  def period():
+    nonlocal carry
+    for _ in range(reuse_every):
+      carry = step(*carry)
+    return carry
+
+  jax.block_until_ready(period())
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    jax.block_until_ready(period())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) / reuse_every * 1e3
+
+
+def whole_step_transforms(density: float, reuse_every: int) -> list[tuple[str, object]]:
+  """The updates the whole-step mode puts in the step: dense, Top-k, DLGS's two rules."""
+  return [("dense", dlgs_jax.dense()), ("topk", dlgs_jax.topk(density)),
+          ("dlgs-paper", dlgs_jax.dlgs(density, thresholds=dlgs_jax.FixedReuse(reuse_every))),
+          ("dlgs", dlgs_jax.dlgs(density, thresholds=dlgs_jax.AdaptedReuse(reuse_every)))]
+
+
 def update_row(name, density, method, group, tx, gradients, floor, rounds) -> dict:
   """One method's update on one model and density, with its floor ratio and program counts."""
   update, counts, _ = compiled_update(tx, gradients[0])
@@ -180,12 +253,43 @@ def update_row(name, density, method, group, tx, gradients, floor, rounds) -> di
           "over_floor": ratio, "exact_leaves_per_step": exact, **counts}
 
 
+def with_bandwidth_floor(row: dict, params: int, bytes_per_s: float) -> dict:
+  """`row` with the bandwidth floor's ms and the update as a multiple of it."""
+  floor_ms = floor_bytes(params) / bytes_per_s * 1e3
+  return {**row, "bandwidth_floor_ms": floor_ms,
+          "over_bandwidth_floor": row["update_ms"] / floor_ms}
+
+
+def run_whole_steps(args, result: dict, batches: dict, started: float) -> None:
+  """The whole-step rows, at the lowest density, within what is left of the budget."""
+  density = min(args.densities)
+  for name in args.models:
+    batch, side = batches[name]
+    for method, tx in whole_step_transforms(density, args.reuse_every):
+      if args.methods is not None and method not in args.methods:
+        continue
+      if time.perf_counter() - started > args.budget_s:
+        result["skipped"].append(f"{name} {density:g} {method} (whole step)")
+        continue
+      row = {"model": name, "density": density, "method": method, "batch": batch,
+             "step_ms": whole_step_ms(name, batch, side, tx, args.reuse_every, args.rounds)}
+      result["whole_step"].append(row)
+      dense = next((r["step_ms"] for r in result["whole_step"]
+                    if r["model"] == name and r["method"] == "dense"), None)
+      row["over_dense"] = None if dense is None else row["step_ms"] / dense
+      print(f"{name} {density:g} {method:10s} whole step {row['step_ms']:9.2f} ms"
+            + ("" if dense is None else f"  {row['over_dense']:.2f}x dense"), flush=True)
+      write(args.out, result)
+
+
 def run_check(args) -> dict:
   """Measures everything in order of importance within the budget; returns the results."""
   started = time.perf_counter()
   batches = SMALL_BATCH if args.small else FULL_BATCH
   result = {"command": "python experiments/gpu_check.py " + " ".join(args.argv),
-            "machine": machine(), "models": {}, "rows": [], "skipped": []}
+            "machine": machine(), "models": {}, "rows": [], "whole_step": [], "skipped": []}
+  result["machine"]["copy_bytes_per_s"] = copy_bandwidth(
+      1 << (22 if args.small else 28), args.rounds)
   periods = {}
   for name in args.models:
     params = models.param_shapes(name)
@@ -201,7 +305,8 @@ def run_check(args) -> dict:
       print(f"{name}: forward+backward at batch {batch} ({side}x{side}) "
             f"{result['models'][name]['forward_backward_ms']:.2f} ms", flush=True)
     write(args.out, result)
-  # Density 0.01 with one group first (the targets), then the default grouping, then the rest.
+  # Density 0.01 with one group first (the targets), the whole step, then the default
+  # grouping, then the rest.
   work = []
   for density in sorted(args.densities):
     for name in args.models:
@@ -212,21 +317,34 @@ def run_check(args) -> dict:
         listed = [(m, g, tx) for m, g, tx in listed if g != "default"]
       work += [(density, name, m, g, tx) for m, g, tx in listed if g != "default"]
       work += [(density, name, m, g, tx) for m, g, tx in listed if g == "default"]
+  first = min(args.densities)
+  targets = [w for w in work if w[0] == first and w[3] != "default"]
+  rest = [w for w in work if not (w[0] == first and w[3] != "default")]
   floors = {}
-  for density, name, method, group, tx in work:
+
+  def measure(density, name, method, group, tx):
     if time.perf_counter() - started > args.budget_s:
       result["skipped"].append(f"{name} {density:g} {method} ({group})")
-      continue
+      return
     gradients = periods[name][1]
     if (name, density) not in floors:
       floors[(name, density)] = floor_period(gradients, density)[0]
-    row = update_row(name, density, method, group, tx, gradients, floors[(name, density)],
-                     args.rounds)
+    row = with_bandwidth_floor(
+        update_row(name, density, method, group, tx, gradients, floors[(name, density)],
+                   args.rounds), result["models"][name]["params"],
+        result["machine"]["copy_bytes_per_s"])
     result["rows"].append(row)
     print(f"{name} {density:g} {method:10s} {group:9s} {row['update_ms']:9.2f} ms  "
           f"{row['over_floor']:6.1f}x floor  cond {row['conditionals']} "
           f"sort+topk {row['sorts'] + row['top_k']} kernels {row['kernels']}", flush=True)
     write(args.out, result)
+
+  for item in targets:
+    measure(*item)
+  if args.whole_step:
+    run_whole_steps(args, result, batches, started)
+  for item in rest:
+    measure(*item)
   result["seconds"] = time.perf_counter() - started
   result["table"] = format_table(result)
   write(args.out, result)
@@ -236,16 +354,24 @@ def run_check(args) -> dict:
 def format_table(result: dict) -> str:
   """Markdown: per row the update, the floor, their ratio, the share of forward+backward."""
   header = ["model", "density", "method", "grouping", "update ms", "floor ms", "x floor",
-            "% of fwd+bwd", "exact leaves/step", "cond", "sort+topk", "kernels"]
+            "x bandwidth floor", "% of fwd+bwd", "exact leaves/step", "cond", "sort+topk",
+            "kernels"]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for r in result["rows"]:
     step = result["models"][r["model"]]["forward_backward_ms"]
     lines.append("| " + " | ".join([
         r["model"], f"{r['density']:g}", r["method"], r["grouping"], f"{r['update_ms']:.2f}",
-        f"{r['floor_ms']:.3f}", f"{r['over_floor']:.1f}",
+        f"{r['floor_ms']:.3f}", f"{r['over_floor']:.1f}", f"{r['over_bandwidth_floor']:.1f}",
         "-" if step is None else f"{100 * r['update_ms'] / step:.1f}",
         f"{r['exact_leaves_per_step']:.1f}", str(r["conditionals"]),
         str(r["sorts"] + r["top_k"]), str(r["kernels"])]) + " |")
+  if result.get("whole_step"):
+    lines += ["", "| model | density | method | batch | whole step ms | x dense |",
+              "|---|---|---|---|---|---|"]
+    for r in result["whole_step"]:
+      over = "-" if r["over_dense"] is None else f"{r['over_dense']:.2f}"
+      lines.append(f"| {r['model']} | {r['density']:g} | {r['method']} | {r['batch']} | "
+                   f"{r['step_ms']:.2f} | {over} |")
   return "\n".join(lines)
 
 
@@ -281,6 +407,8 @@ def parse_args(argv):
                       help="LAGS and DLGS with every leaf in one group only")
   parser.add_argument("--no-forward-backward", action="store_true",
                       help="skip timing forward+backward (minutes per model on a CPU core)")
+  parser.add_argument("--no-whole-step", dest="whole_step", action="store_false",
+                      help="skip the whole step (forward, backward and update in one program)")
   parser.add_argument("--out", default=None, help="JSON (default: experiments/results/"
                       "gpu_check/<backend>.json)")
   args = parser.parse_args(argv)

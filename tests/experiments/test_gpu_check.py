@@ -58,8 +58,18 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   # The paper's schedule is exact on one step of each period of 2: every leaf, half the steps.
   assert rows[("dlgs-paper", "one group")]["exact_leaves_per_step"] == model["leaves"] / 2
   assert rows[("dlgs-paper", "default")]["exact_leaves_per_step"] == model["leaves"] / 2
+  for r in rows.values():  # the update against what memory allows
+    assert r["bandwidth_floor_ms"] > 0 and r["over_bandwidth_floor"] > 0
+  assert result["machine"]["copy_bytes_per_s"] > 0
+  # The whole step: forward, backward and update in one program, against dense's.
+  steps = {r["method"]: r for r in result["whole_step"]}
+  assert list(steps) == ["dense", "topk", "dlgs-paper", "dlgs"]
+  assert steps["dense"]["over_dense"] == 1.0 and steps["dense"]["batch"] == 4
+  for r in steps.values():
+    assert r["step_ms"] > 0 and r["over_dense"] == r["step_ms"] / steps["dense"]["step_ms"]
   table = result["table"].splitlines()
-  assert len(table) == 2 + 9 and table[2].startswith("| smallcnn | 0.1 | dense | - |")
+  assert len(table) == 2 + 9 + 3 + 4 and table[2].startswith("| smallcnn | 0.1 | dense | - |")
+  assert table[-4].startswith("| smallcnn | 0.1 | dense | 4 | ") and table[-4].endswith(" 1.00 |")
   assert result["table"] in capsys.readouterr().out
 
 
@@ -70,7 +80,7 @@ def test_gpu_check_stops_starting_work_once_its_budget_is_spent(tmp_path):
   assert check.main(["--small", "--models", "smallcnn", "--densities", "0.1", "--rounds", "1",
                      "--budget-s", "0", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
-  assert result["rows"] == [] and len(result["skipped"]) == 9
+  assert result["rows"] == [] and result["whole_step"] == [] and len(result["skipped"]) == 9 + 4
   assert result["models"]["smallcnn"]["forward_backward_ms"] > 0
   assert check.main(["--small", "--models", "smallcnn", "--rounds", "1", "--budget-s", "0",
                      "--no-forward-backward", "--out", str(out)]) == 0
@@ -79,7 +89,8 @@ def test_gpu_check_stops_starting_work_once_its_budget_is_spent(tmp_path):
                      "--methods", "dense", "dlgs", "--one-group", "--no-forward-backward",
                      "--out", str(out)]) == 0
   assert sorted(json.loads(out.read_text())["skipped"]) == [
-      "smallcnn 0.01 dense (-)", "smallcnn 0.01 dlgs (one group)",
+      "smallcnn 0.01 dense (-)", "smallcnn 0.01 dense (whole step)",
+      "smallcnn 0.01 dlgs (one group)", "smallcnn 0.01 dlgs (whole step)",
       "smallcnn 0.1 dense (-)", "smallcnn 0.1 dlgs (one group)"]
 
 
