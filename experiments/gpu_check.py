@@ -159,35 +159,39 @@ def floor_period(gradients: list, density: float):
   return run, (leaves[0], residuals, thresholds)
 
 
-def forward_backward_ms(name: str, batch: int, side: int, rounds: int) -> float:
-  """Median ms of one training-mode forward+backward of `name` on a random uint8 batch."""
+def median_seconds(fn, rounds: int) -> float:
+  """Median seconds of `fn()` over `rounds` calls, after one untimed call."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def model_and_batch(name: str, batch: int, side: int):
+  """`name`'s model, a random uint8 batch of `batch` images and labels, and its variables."""
   model, shape = models.create_model(name)
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.integers(0, 256, (batch, side, side, shape[2]), dtype=np.uint8))
   labels = jnp.asarray(rng.integers(0, 10, batch).astype(np.int32))
   variables = losses.init_variables(model, np.zeros((1, side, side, shape[2]), np.float32), 0)
-  params, batch_stats = variables["params"], variables.get("batch_stats", {})
+  return model, images, labels, variables["params"], variables.get("batch_stats", {})
+
+
+def forward_backward_ms(name: str, batch: int, side: int, rounds: int) -> float:
+  """Median ms of one training-mode forward+backward of `name` on a random uint8 batch."""
+  model, images, labels, params, batch_stats = model_and_batch(name, batch, side)
   grad_fn = jax.jit(lambda p, x, y: losses.batch_gradients(model, p, batch_stats, x, y)[0])
-  jax.block_until_ready(grad_fn(params, images, labels))
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    jax.block_until_ready(grad_fn(params, images, labels))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
+  return median_seconds(lambda: grad_fn(params, images, labels), rounds) * 1e3
 
 
 def copy_bandwidth(values: int, rounds: int) -> float:
   """Bytes per second a device-to-device copy of `values` float32 reaches (read + write)."""
   x = jnp.arange(values, dtype=jnp.float32)
   copy = jax.jit(lambda v: v * 1.0)
-  jax.block_until_ready(copy(x))
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    jax.block_until_ready(copy(x))
-    times.append(time.perf_counter() - start)
-  return 2 * 4 * values / statistics.median(times)
+  return 2 * 4 * values / median_seconds(lambda: copy(x), rounds)
 
 
 def floor_bytes(params: int) -> int:
@@ -204,12 +208,7 @@ def whole_step_ms(name: str, batch: int, side: int, tx, reuse_every: int, rounds
   """
   import optax  # pylint: disable=g-import-not-at-top
 
-  model, shape = models.create_model(name)
-  rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.integers(0, 256, (batch, side, side, shape[2]), dtype=np.uint8))
-  labels = jnp.asarray(rng.integers(0, 10, batch).astype(np.int32))
-  variables = losses.init_variables(model, np.zeros((1, side, side, shape[2]), np.float32), 0)
-  params, batch_stats = variables["params"], variables.get("batch_stats", {})
+  model, images, labels, params, batch_stats = model_and_batch(name, batch, side)
 
   @jax.jit
   def step(params, opt_state, batch_stats):
@@ -226,13 +225,7 @@ def whole_step_ms(name: str, batch: int, side: int, tx, reuse_every: int, rounds
       carry = step(*carry)
     return carry
 
-  jax.block_until_ready(period())
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    jax.block_until_ready(period())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) / reuse_every * 1e3
+  return median_seconds(period, rounds) / reuse_every * 1e3
 
 
 def whole_step_transforms(density: float, reuse_every: int) -> list[tuple[str, object]]:

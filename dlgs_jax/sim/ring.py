@@ -221,7 +221,8 @@ def _seconds(text: str) -> float:
   try:
     return float(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(f"not a time: {text!r} (e.g. 3us)") from None
+    raise argparse.ArgumentTypeError(f"not a time: {text!r} (seconds, or a number with a "
+                                     f"unit: ns, us, ms or s)") from None
 
 
 def _bytes(text: str) -> float:
@@ -238,10 +239,12 @@ def _bytes(text: str) -> float:
 def main(argv=None) -> int:
   from dlgs_jax.planning.network import parse_bandwidth
 
-  parser = argparse.ArgumentParser(prog="python -m dlgs_jax.sim.ring",
-                                   description="Slow-node ring reduce-scatter study (Zhang et al. 2024).")
+  parser = argparse.ArgumentParser(
+      prog="python -m dlgs_jax.sim.ring",
+      description="Slow-node ring reduce-scatter study (Zhang et al. 2024).")
   parser.add_argument("--nodes", type=int, default=4)
-  parser.add_argument("--T", type=_seconds, default=3e-6, help="per-step time, e.g. 3us")
+  parser.add_argument("--T", type=_seconds, default=3e-6,
+                      help="per-step time: seconds, or a number with a unit (ns, us, ms, s)")
   parser.add_argument("--link-delay", type=_seconds, default=5e-6)
   parser.add_argument("--packet", type=_bytes, default=8 * 1024.0, help="e.g. 8KB")
   parser.add_argument("--bandwidth", default="100gbit")
