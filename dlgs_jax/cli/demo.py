@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.compress.optimizer import OptimizerConfig
@@ -29,12 +30,29 @@ from dlgs_jax.training.config import (CheckpointConfig, DataConfig, ModelConfig,
 DENSE_ACCURACY = 0.497
 DENSE_CITED = "docs/getting_started.md, \"The demo\""
 
-NEXT_STEPS = (
-    ("dlgs-demo --method dense", "the same run with a dense all-reduce"),
-    ("dlgs-demo --send-whole head", "the classifier head sent whole"),
-    ("dlgs-demo --density 0.1", "ten times the values a step"),
+# What to try next: flags for the demo's own command (`demo_command`), then, in a
+# checkout, other commands.
+NEXT_FLAGS = (
+    ("--method dense", "the same run with a dense all-reduce"),
+    ("--send-whole head", "the classifier head sent whole"),
+    ("--density 0.1", "ten times the values a step"),
+)
+NEXT_COMMANDS = (
     ("bash scripts/docs.sh", "the docs, with DLGS in your own NNX or Linen step"),
 )
+
+
+def demo_command() -> str:
+  """The demo's command as a fresh shell here runs it: the script in a checkout
+  (``dlgs-demo`` lives in its .venv/bin, off the shell's PATH), else the entry point."""
+  return "bash scripts/demo.sh" if Path("scripts/demo.sh").is_file() else "dlgs-demo"
+
+
+def next_steps() -> list[tuple[str, str]]:
+  """(command, what it shows) of each suggestion the demo ends with."""
+  command = demo_command()
+  steps = [(f"{command} {flags}", what) for flags, what in NEXT_FLAGS]
+  return steps + (list(NEXT_COMMANDS) if command.startswith("bash") else [])
 
 
 def preset() -> RunConfig:
@@ -87,7 +105,7 @@ def main(argv=None) -> int:
   import jax
   if jax.process_index() == 0:
     lines = comparison_lines(config, summary) + ["next:"] + [
-        f"  {command:<44} {what}" for command, what in NEXT_STEPS]
+        f"  {command:<44} {what}" for command, what in next_steps()]
     print("\n".join(lines), flush=True)
   return 0
 

@@ -57,6 +57,18 @@ def test_the_demo_ends_by_explaining_its_run(tmp_path):
   sent, dense, less = ratio.groups()
   assert abs(int(less) - 1000 * float(dense) / float(sent)) <= 1
   assert "for a dense baseline of these settings" in tail  # --epochs 1 is not the preset
-  assert "next:" in tail and "dlgs-demo --method dense" in tail
+  # Commands a fresh shell runs: in a checkout, the script (dlgs-demo is in .venv/bin).
+  assert "next:" in tail and "bash scripts/demo.sh --method dense" in tail
   assert "sha256" not in out.stdout and "summary:" not in out.stdout
   assert (tmp_path / "demo" / "curves.png").exists()
+
+
+def test_the_next_steps_are_commands_a_fresh_shell_runs(tmp_path, monkeypatch):
+  """In a checkout, the script (which installs first); elsewhere, the entry point."""
+  monkeypatch.chdir(ROOT)
+  assert demo.next_steps()[0] == ("bash scripts/demo.sh --method dense",
+                                  "the same run with a dense all-reduce")
+  assert ("bash scripts/docs.sh", demo.NEXT_COMMANDS[0][1]) in demo.next_steps()
+  monkeypatch.chdir(tmp_path)
+  assert [c for c, _ in demo.next_steps()] == [
+      "dlgs-demo --method dense", "dlgs-demo --send-whole head", "dlgs-demo --density 0.1"]
