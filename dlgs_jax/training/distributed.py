@@ -25,7 +25,7 @@ ENV_PARENT_PID = "DLGS_PARENT_PID"  # set by dlgs-launch: die with it
 _TIMEOUTS = {"heartbeat_timeout_seconds": 10, "shutdown_timeout_seconds": 30}
 # Seconds a process waits for all the others to join, by default. JAX's own limit
 # is set past ours: when it runs out, XLA aborts the process from C++.
-INIT_TIMEOUT = 120
+INIT_TIMEOUT = 300  # JAX's own default; cluster jobs may start minutes apart
 _JAX_GRACE = 60
 
 
