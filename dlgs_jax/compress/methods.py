@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import optax
 
-from dlgs_jax.compress import grouping, rules, wire
+from dlgs_jax.compress import engine, grouping, rules, wire
 from dlgs_jax.compress.deep_gradient_compression import dgc
 from dlgs_jax.compress.ternary import terngrad
 from dlgs_jax.compress.transforms import dense, dlgs, gtopk, lags, topk
@@ -95,8 +95,9 @@ class MethodConfig:
                         "set (--refresh-below 0.5); the paper's schedule (none) has none")
     if self.min_ndim < 0:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
-    if self.collective not in ("allgather", "gtopk"):
-      raise ConfigError("collective", self.collective, "choose allgather or gtopk")
+    if self.collective not in engine.SPARSE_COLLECTIVES:
+      raise ConfigError("collective", self.collective,
+                        f"choose {' or '.join(engine.SPARSE_COLLECTIVES)}")
     _check_number("dgc_warmup_epochs", self.dgc_warmup_epochs, 0.0, math.inf)
     _check_number("terngrad_clip", self.terngrad_clip, 0.0, math.inf)
     if self.wire_dtype not in wire.WIRE_DTYPES:
