@@ -254,13 +254,21 @@ def _check_no_rng_streams(rest) -> None:
   A stream's key would be the same on every worker and could not be averaged
   with the rest of the model state; the step's own key differs per step and worker.
   """
-  for path, leaf in jax.tree_util.tree_flatten_with_path(rest)[0]:
+  path = _first_prng_key(rest)
+  if path is not None:
+    raise ValueError(
+        f"the module holds a PRNG stream at {path} (an nnx.Rngs given to a layer, e.g. "
+        f"nnx.Dropout(rate, rngs=rngs)): build the layer without rngs, give data_parallel "
+        f"seed=0, and let the loss take the per-step, per-worker key: "
+        f"loss_fn(model, batch, key) calling model(x, rngs=nnx.Rngs(dropout=key))")
+
+
+def _first_prng_key(tree):
+  """The path of `tree`'s first PRNG-key leaf (which no mean over workers can take), or None."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
-      raise ValueError(
-          f"the module holds a PRNG stream at {jax.tree_util.keystr(path)} (an nnx.Rngs given "
-          f"to a layer, e.g. nnx.Dropout(rate, rngs=rngs)): build the layer without rngs, give "
-          f"data_parallel seed=0, and let the loss take the per-step, per-worker key: "
-          f"loss_fn(model, batch, key) calling model(x, rngs=nnx.Rngs(dropout=key))")
+      return jax.tree_util.keystr(path)
+  return None
 
 
 def _warn_if_eval_mode(model) -> None:
@@ -502,11 +510,11 @@ def _comm_metrics(opt_state) -> dict:
 def _average(model_state, metrics: dict, axis_name):
   """Model state and metrics as every worker's mean (one all-reduce), typed replicated."""
   leaves, treedef = jax.tree_util.tree_flatten(model_state)
-  for path, leaf in zip(_paths(model_state), leaves):
-    if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
-      raise ValueError(f"the model state holds a PRNG key at {path}: keys cannot be "
-                       f"averaged over workers; keep them out of the model state (give "
-                       f"data_parallel a seed: the loss gets a key per step and worker)")
+  path = _first_prng_key(model_state)
+  if path is not None:
+    raise ValueError(f"the model state holds a PRNG key at {path}: keys cannot be "
+                     f"averaged over workers; keep them out of the model state (give "
+                     f"data_parallel a seed: the loss gets a key per step and worker)")
   floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
   means, metrics = collectives.fused_pmean(
       ([x for x, f in zip(leaves, floating) if f], metrics), axis_name=axis_name)
@@ -515,8 +523,3 @@ def _average(model_state, metrics: dict, axis_name):
   means, others = iter(means), iter(others)
   merged = [next(means) if f else next(others) for f in floating]
   return jax.tree_util.tree_unflatten(treedef, merged), metrics
-
-
-def _paths(tree):
-  return [jax.tree_util.keystr(path) for path, _ in
-          jax.tree_util.tree_flatten_with_path(tree)[0]]
