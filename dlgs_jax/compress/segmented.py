@@ -12,25 +12,23 @@ leaves together:
 * `pack`: one comparison against per-leaf thresholds broadcast by word, the
   mask packed 32 to a word (zeros never pass);
 * `segment_sums`: per-leaf totals of per-word numbers from one prefix sum;
-* `kth_largest`: exact k_l-th largest ``|g|`` of every leaf by bisection on
-  the float's bits (31 counting passes, no sort, no data-dependent loop);
+* `kth_largest`: exact k_l-th largest ``|g|`` of every leaf by a radix
+  select on the float's bits (three histogram passes, no sort, no
+  conditional, no data-dependent loop);
 * `compact`: indices of the passing values into per-leaf fixed-capacity
   buffers, the first ones in index order -- the same indices
   `selection.indices_from_words` gives leaf by leaf;
-* `exact_thresholds`: the k_l-th largest values from a strided sample's lower
-  bound, the values above it compacted into buffers of about 2 k_l, and the
-  bisection on those; when a bound misses for any leaf, one conditional runs
-  the bisection on the whole buffer.
+* `exact_thresholds`: `kth_largest` of a laid-out buffer; leaf by leaf
+  (CPU), of candidates above a strided sample's lower bound, with one
+  conditional for the whole leaves where a bound misses.
 
 The number of kernels and conditionals of these passes does not depend on the
 number of leaves.
 
 Every exact threshold of the package comes from `exact_thresholds` (DLGS on
-any backend and group size; DGC's fallback through `exact_threshold`). Its
-one choice is the kernel that finds the k-th largest of a leaf's candidates:
-the bisection above, batched over a group, or a sort of the candidates leaf by
-leaf for a few leaves kept as they are (CPU). Whether a group is laid out is
-decided by the caller (`engine.lay_out_by_default`) through `values_of`.
+any backend and group size; DGC's fallback through `exact_threshold`).
+Whether a group is laid out is decided by the caller
+(`engine.lay_out_by_default`) through `values_of`.
 """
 
 from __future__ import annotations
@@ -49,9 +47,6 @@ from dlgs_jax.compress import selection
 
 WORD = 32
 
-# Groups of at most this many leaves kept leaf by leaf get their exact
-# thresholds leaf by leaf (`exact_thresholds`).
-_FEW_LEAVES = 4
 # A lower bound needs no more precision than the sample gives: the 17 highest
 # bits of a positive float32 fix it to 2^-9 of its value.
 _BOUND_BITS = 17
@@ -172,52 +167,64 @@ def kth_largest(flat: jax.Array, segs: Segments, ks: Sequence[int], bits: int = 
                 ) -> jax.Array:
   """The ks[l]-th largest ``|x|`` of every leaf of a laid-out buffer (float32 [L]).
 
-  By bisection on the float's bits (`bisect`) with counts from one pass over
-  the buffer per bit. Padding zeros only matter when a leaf has fewer than
-  k_l nonzero values, and then its k_l-th largest value is 0 anyway.
+  A radix select on the float's bits: for non-negative floats the order of
+  the bit patterns is the order of the values, so the k_l-th largest value is
+  found digit by digit, high bits first. Each digit costs one pass over the
+  buffer: a histogram of the digit per leaf (one scatter-add into [L, 2^d]
+  bins, values whose higher digits differ from the leaf's prefix dropped),
+  then, per leaf, the largest digit at or above which at least the remaining
+  rank lies. Three digits cover 31 bits: exact, no sort, no conditional, and a
+  fixed number of kernels however many leaves the buffer holds. Padding zeros
+  only matter when a leaf has fewer than k_l nonzero values, and then its
+  k_l-th largest value is 0 anyway.
 
   Args:
     flat: a buffer laid out by `segs`.
     segs: its layout.
-    ks: per leaf, 1 <= k_l (k_l > the leaf's size gives 0).
-    bits: as `bisect`.
+    ks: per leaf, 1 <= k_l (k_l > the leaf's padded size gives 0).
+    bits: the high bits found (<= 31); with fewer the low bits stay 0 and the
+      result is a lower bound within ``2^(bits - 22)`` of the value, relatively.
 
   Returns:
     float32 [L].
   """
+  num_leaves = len(segs.sizes)
   keys = lax.bitcast_convert_type(jnp.abs(flat), jnp.uint32).reshape(-1, WORD)
+  leaf = _leaf_table(segs.words)[:, None] if num_leaves > 1 else 0
+  remaining = _int32(ks)
+  prefix = jnp.zeros((num_leaves,), jnp.uint32)
+  done = 31  # bits above `done` are found (bit 31, the sign, is 0)
+  for digit_bits in _digits(bits):
+    shift = done - digit_bits
+    bins = 1 << digit_bits
+    digit = ((keys >> shift) & jnp.uint32(bins - 1)).astype(jnp.int32)
+    slot = leaf * bins + digit
+    if done < 31:
+      same = (keys >> done) == per_word(prefix >> done, segs)[:, None]
+      slot = jnp.where(same, slot, num_leaves * bins)  # dropped
+    histogram = jnp.zeros((num_leaves * bins,), jnp.int32).at[slot.reshape(-1)].add(
+        1, mode="drop").reshape(num_leaves, bins)
+    at_or_above = jnp.cumsum(histogram[:, ::-1], axis=1)[:, ::-1]
+    # Counts fall with the digit: those reaching the rank are a prefix of it.
+    chosen = jnp.maximum(jnp.sum(at_or_above >= remaining[:, None], axis=1) - 1, 0)
+    above = jnp.sum(jnp.where(jnp.arange(bins) > chosen[:, None], histogram, 0), axis=1)
+    remaining = remaining - above
+    prefix = prefix | (chosen.astype(jnp.uint32) << shift)
+    done = shift
+  return lax.bitcast_convert_type(prefix, jnp.float32)
 
-  def count(trial):
-    return segment_sums(jnp.sum(keys >= per_word(trial, segs)[:, None], axis=1,
-                                dtype=jnp.int32), segs)
 
-  return bisect(count, ks, bits)
+# At most this many bits a digit: 2^11 bins per leaf keep the histograms
+# small (ResNet-50's 161 leaves: 330K bins) and 31 bits in three passes.
+_DIGIT_BITS = 11
 
 
-def bisect(count, ks: Sequence[int], bits: int = 31) -> jax.Array:
-  """Per leaf the largest float32 t with ``count(t)[l] >= ks[l]``, found bit by bit.
-
-  For non-negative floats the order of the bit patterns is the order of the
-  values, so with ``count(t)`` the number of ``|x| >= t`` the result is the
-  k_l-th largest value itself: exact, from `bits` counting passes and no sort.
-
-  Args:
-    count: uint32 bit patterns [L] -> int32 counts [L] of values at or above them.
-    ks: per leaf, >= 1.
-    bits: with fewer than 31, the low bits stay 0 and the result is a lower
-      bound within ``2^(bits - 22)`` of the value, relatively.
-
-  Returns:
-    float32 [L].
-  """
-  ks = _int32(ks)
-  found = jnp.zeros(ks.shape, jnp.uint32)
-  # A static loop, not a while loop: on a GPU every iteration of a loop whose
-  # trip count XLA must read waits for the host.
-  for bit in range(30, 30 - bits, -1):
-    trial = found | jnp.uint32(1 << bit)
-    found = jnp.where(count(trial) >= ks, trial, found)
-  return lax.bitcast_convert_type(found, jnp.float32)
+def _digits(bits: int) -> list[int]:
+  """`bits` high bits cut into as few digits of at most `_DIGIT_BITS` as can be, high first."""
+  if not 1 <= bits <= 31:
+    raise ValueError(f"bits must be in [1, 31], got {bits}")
+  passes = -(-bits // _DIGIT_BITS)
+  return [bits // passes + (i < bits % passes) for i in range(passes)]
 
 
 def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
@@ -340,13 +347,7 @@ class Values:
     return counts * _int32(strides)[:, None]
 
   def kth_largest(self, ks: Sequence[int]) -> jax.Array:
-    """`kth_largest` of every whole leaf.
-
-    Laid out first in either view: passes leaf by leaf would put ~31 kernels
-    per leaf into the conditional that holds this fallback, and XLA:CPU pays
-    for every kernel of a conditional's branches on each call, taken or not;
-    the copy is paid only where the fallback runs.
-    """
+    """`kth_largest` of every whole leaf (laid out first in either view)."""
     flat = self.flat if self.flat is not None else lay_out(self.leaves, self.segs)
     return kth_largest(flat, self.segs, ks)
 
@@ -372,27 +373,22 @@ def values_of(leaves: Sequence[jax.Array], segs: Segments, laid_out: bool) -> Va
 def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -> jax.Array:
   """Every leaf's exact k_l-th largest ``|x|`` (float32 [L]; 0 for leaves sent whole).
 
-  Per large leaf a strided sample gives a lower bound that about 1.5 k_l
-  values exceed; the values above the bounds are compacted into buffers of
-  about 2 k_l (small leaves: all their values) and `kth_largest` runs on those.
-  Where a bound misses (fewer than k_l or more than the buffer pass, unless
-  the bound is 0 and every nonzero value passed), one conditional runs the
-  bisection on the whole leaves (`kth_largest`), so the result is always exact.
+  Laid out (accelerators): `kth_largest` of the whole buffer, three passes
+  and no conditional, so an exact step is the reuse step's program plus a
+  fixed handful of kernels.
 
-  A group of a few leaves kept leaf by leaf (CPU) takes the same steps leaf
-  by leaf with a sort for the k-th largest (`_kth_by_sort`): XLA:CPU pays for
-  every kernel of a conditional's branches on each call, taken or not, and
-  the batched passes are ~100 kernels whatever the number of leaves, against
-  ~20 per leaf there (measured on ResNet-50: experiments/performance_notes.md).
+  Leaf by leaf (CPU, where a pass costs its bytes and a kernel nothing):
+  per large leaf a strided sample gives a lower bound that about 1.5 k_l
+  values exceed; the values above the bounds are compacted into buffers of
+  about 2 k_l (small leaves: all their values) and `kth_largest` runs on
+  those, a few percent of the bytes. Where a bound misses (fewer than k_l or
+  more than the buffer pass, unless the bound is 0 and every nonzero value
+  passed), one conditional runs `kth_largest` on the whole leaves, so the
+  result is always exact.
   """
   segs = values.segs
-  if values.flat is None and len(segs.sizes) <= _FEW_LEAVES:
-    # A leaf sent whole contributes any of its values, replaced by 0 below:
-    # the result stays typed like the values (varying inside shard_map).
-    found = jnp.stack([values.leaf(leaf)[0] if whole[leaf]
-                       else _kth_by_sort(values.leaf(leaf), ks[leaf])
-                       for leaf in range(len(segs.sizes))])
-    return jnp.where(jnp.asarray(whole), 0.0, found)
+  if values.flat is not None:
+    return jnp.where(jnp.asarray(whole), 0.0, kth_largest(values.flat, segs, ks))
   large = [leaf for leaf, (size, k) in enumerate(zip(segs.sizes, ks))
            if not whole[leaf] and size > selection.SMALL_LEAF and 2 * k < size // 2]
   bounds = jnp.where(jnp.asarray(whole), jnp.inf, 0.0).astype(jnp.float32)
@@ -403,11 +399,13 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
                 for leaf in range(len(segs.sizes))]
   positions, passed = compact(values.pack(bounds), segs, capacities)
   found = kth_largest(values.take(positions, capacities), Segments(tuple(capacities)), ks)
+  if not large:
+    return jnp.where(jnp.asarray(whole), 0.0, found)
   is_large = np.zeros(len(segs.sizes), bool)
   is_large[large] = True
   # A bound of 0 lets every nonzero value pass: fewer than k_l of them make the
   # k_l-th largest 0, which is what the candidates give (an all-zero leaf would
-  # otherwise run the whole-leaf bisection only to find 0).
+  # otherwise run the whole-leaf select only to find 0).
   short = (passed < _int32(ks)) & (bounds > 0)
   missed = jnp.asarray(is_large) & (short | (passed > _int32(capacities)))
   found = lax.cond(jnp.any(missed),
@@ -428,46 +426,6 @@ def exact_threshold(x: jax.Array, k: int) -> jax.Array:
   """
   size = int(np.prod(x.shape, dtype=np.int64))
   return exact_thresholds(values_of([x], segments_of([size]), False), [k], [False])[0]
-
-
-def _kth_by_sort(flat: jax.Array, k: int) -> jax.Array:
-  """`exact_thresholds`'s steps for one leaf, the k-th largest of its candidates by a sort.
-
-  A strided sample (`selection.sample_stride`) gives a lower bound ``t`` that
-  about 1.5k values exceed, one O(n) pass collects every value ``>= t`` into a
-  buffer of 2k, and a top-k of that buffer gives the k-th largest. When the
-  bound misses (fewer than k or more than 2k values pass) the full top-k runs
-  instead, so the result is always exact. Small leaves are sorted whole.
-
-  Args:
-    flat: the leaf's values, flat.
-    k: 1 <= k <= size.
-
-  Returns:
-    float32 scalar.
-  """
-  flat = jnp.abs(flat).astype(jnp.float32)
-  size = flat.shape[0]
-  if k == size:
-    return jnp.min(flat)  # no sort needed when everything is kept
-  full = lambda: _kth_of_sorted(flat, k)
-  capacity = 2 * k
-  if size <= selection.SMALL_LEAF or capacity >= size // 2:
-    return full()
-  sample = flat[::selection.sample_stride(size, k)]
-  sample_rank = max(1, math.ceil(sample.shape[0] * 1.5 * k / size))
-  # The minimum of the top values, not their last element: see `_kth_of_sorted`.
-  lower = jnp.min(lax.top_k(sample, sample_rank)[0])
-  candidates, passed = selection.threshold_indices(flat, lower, capacity)
-  values = flat.at[candidates].get(mode="fill", fill_value=0.0)
-  found = lambda: _kth_of_sorted(values, k)
-  return lax.cond((passed >= k) & (passed <= capacity), found, full)
-
-
-def _kth_of_sorted(values: jax.Array, k: int) -> jax.Array:
-  # The minimum of the top k, not `top_k(...)[0][k - 1]`: XLA on CPU turns a
-  # top-k followed by a one-element slice into a full sort, ~20x slower at 2.4M.
-  return jnp.min(lax.top_k(values, k)[0])
 
 
 def _int32(numbers: Sequence[int]) -> jax.Array:

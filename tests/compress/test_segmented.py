@@ -50,8 +50,8 @@ def test_exact_thresholds_are_the_kth_largest_of_every_leaf(laid_out, density, z
 @pytest.mark.parametrize("smalls", [1, 5], ids=["few_leaves", "many_leaves"])
 def test_a_sample_that_misses_falls_back_to_the_exact_value(laid_out, smalls):
   # The large values sit off the sample's stride, so its bound lets far more
-  # than 2k values through: the whole-leaf bisection must take over. With a
-  # few leaves kept leaf by leaf each leaf takes the sorted kernel (`_kth_by_sort`).
+  # than 2k values through: leaf by leaf, the whole-leaf select must take
+  # over; laid out, the whole buffer's select is the only one.
   size, k = 70000, 700
   x = np.random.default_rng(1).uniform(0.1, 0.2, size).astype(np.float32)
   x[1::STRIDE] = np.random.default_rng(2).uniform(1.0, 2.0, x[1::STRIDE].shape)
@@ -72,7 +72,8 @@ def test_a_leaf_with_fewer_nonzeros_than_k_is_exact_without_the_fallback(
     monkeypatch, laid_out, nonzeros):
   # Its sampled bound is 0, every nonzero value passes, and its k-th largest
   # is 0: the candidates give it. The fallback, made to answer -1 here, is
-  # taken only for a real miss (the third leaf's bound lets too many through).
+  # taken only for a real miss (the last leaf's bound lets too many through);
+  # a laid-out buffer has no sample and no fallback.
   monkeypatch.setattr(segmented.Values, "kth_largest",
                       lambda self, ks: jnp.full((len(ks),), -1.0, jnp.float32))
   size, k = 70000, 700
@@ -89,11 +90,11 @@ def test_a_leaf_with_fewer_nonzeros_than_k_is_exact_without_the_fallback(
         segmented.values_of(ls, segs, laid_out), [k] * len(ls), [False] * len(ls)))(
             [jnp.asarray(v) for v in leaves]))
 
-  # More leaves than a group taken leaf by leaf on CPU (segmented._FEW_LEAVES).
   others = [normal * (i + 1) for i in range(4)]
   want = [0.0] + [kth_largest_np(x, k) for x in others]
   np.testing.assert_array_equal(thresholds([sparse, *others]), want)
-  np.testing.assert_array_equal(thresholds([sparse, *others, missing]), want + [-1.0])
+  last = kth_largest_np(missing, k) if laid_out else -1.0
+  np.testing.assert_array_equal(thresholds([sparse, *others, missing]), want + [last])
 
 
 @pytest.mark.parametrize("laid_out", VIEWS)
@@ -203,7 +204,26 @@ def test_both_views_count_the_same_and_match_numpy_for_all_leaves_or_some():
     np.testing.assert_array_equal(subset, counts[0][some])
 
 
-def test_bisection_with_fewer_bits_gives_a_close_lower_bound():
+def test_radix_select_is_exact_on_ties_extremes_and_short_leaves():
+  # Every digit's histogram must carry the rank into the next: ties across a
+  # digit boundary, subnormals (exponent 0), infinities (exponent 255),
+  # negative zeros, and leaves with fewer values than k (their answer: 0).
+  rng = np.random.default_rng(11)
+  ties = np.repeat(np.float32([3.0, -3.0, 2.5, 1e-3]), 50)
+  extremes = np.concatenate([np.float32([np.inf, -np.inf, 1e-42, -1e-44, -0.0]),
+                             rng.standard_normal(90).astype(np.float32) * 1e30])
+  short = rng.standard_normal(7).astype(np.float32)
+  wide = (rng.standard_normal(5000) * np.exp(6 * rng.standard_normal(5000))).astype(np.float32)
+  leaves = [ties, extremes, short, wide]
+  segs = segmented.segments_of([x.size for x in leaves])
+  for ks in ([1, 1, 1, 1], [120, 3, 7, 2500], [200, 95, 40, 4999], [151, 6, 33, 17]):
+    got = np.asarray(jax.jit(lambda v, ks=ks: segmented.kth_largest(v, segs, ks))(
+        segmented.lay_out([jnp.asarray(x) for x in leaves], segs)))
+    want = [kth_largest_np(x, k) if k <= x.size else 0.0 for x, k in zip(leaves, ks)]
+    np.testing.assert_array_equal(got, np.asarray(want, np.float32), err_msg=str(ks))
+
+
+def test_a_select_of_fewer_bits_gives_a_close_lower_bound():
   x = np.random.default_rng(6).standard_normal(5000).astype(np.float32)
   segs = segmented.segments_of([5000])
   exact = kth_largest_np(x, 50)
@@ -235,9 +255,8 @@ def test_the_transform_gives_the_same_updates_in_both_views(monkeypatch, candida
 def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
     monkeypatch, laid_out):
   """Selection batched over a group: one conditional (the group's refresh;
-  large leaves add the sampled bound's fallback), for 3 leaves or 30, and no
-  sort -- except for a few leaves kept leaf by leaf (CPU), whose exact
-  thresholds come from the sorted kernel leaf by leaf."""
+  large leaves kept leaf by leaf add the sampled bound's fallback), for 3
+  leaves or 30, and no sort in either view."""
   monkeypatch.setattr(engine, "lay_out_by_default", lambda: laid_out)
   counts = []
   for leaves in (3, 30):
@@ -249,10 +268,7 @@ def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
                                           [jnp.zeros(())] * leaves, jnp.bool_(False)))
   for leaves, c in zip((3, 30), counts):
     assert c["conditionals"] == 1, c
-    if laid_out or leaves == 30:
-      assert c["sorts"] == 0 and c["top_k"] == 0, c
-    else:
-      assert c["top_k"] == leaves, c
+    assert c["sorts"] == 0 and c["top_k"] == 0, c
   if laid_out:
     # The passes are per group; what grows is handing each leaf its buffer.
     assert counts[1]["kernels"] < 2 * counts[0]["kernels"], counts
