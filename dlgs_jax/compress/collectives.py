@@ -14,7 +14,7 @@ group costs exactly one collective.
 from __future__ import annotations
 
 import itertools
-from typing import Hashable, Sequence, Union
+from typing import Hashable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -89,15 +89,24 @@ def worker_index(axis_name: AxisName) -> jax.Array:
   return lax.axis_index(axis_name).astype(jnp.int32)
 
 
+def all_agree(flag: jax.Array, axis_name: AxisName) -> jax.Array:
+  """Whether a bool scalar is True on every worker (one int32 all-reduce; None: itself)."""
+  if axis_name is None:
+    return flag
+  return lax.psum((~flag).astype(jnp.int32), axis_name) == 0
+
+
 def dense_mean(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
   """Mean of `x` over workers: one all-reduce.
 
-  float16 values are divided by P before they are summed: their sum could
-  pass float16's range (65504) where their mean does not.
+  Values are divided by P before they are summed, as the sparse means are:
+  finite values then never sum past their dtype's range (float16's is 65504)
+  where their mean does not. For P a power of two the result is bit for bit
+  the sum divided afterwards (subnormals aside).
   """
   if axis_name is None:
     return x
-  if x.dtype == jnp.float16:
+  if jnp.issubdtype(x.dtype, jnp.floating):
     return lax.psum(x / num_workers(axis_name), axis_name)
   return lax.pmean(x, axis_name)
 
@@ -152,7 +161,7 @@ def _unpack_half(message: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def sparse_allgather_mean(
     values: jax.Array, indices: jax.Array, size: int, *, axis_name: AxisName,
-    wire_dtype: str = "float32"
+    wire_dtype: str = "float32", apply: Optional[jax.Array] = None,
 ) -> jax.Array:
   """Mean over workers of sparse vectors, by all-gather and scatter-add.
 
@@ -166,12 +175,13 @@ def sparse_allgather_mean(
     axis_name: the data-parallel axis.
     wire_dtype: "float32" (8-byte pairs) or "bfloat16" (6-byte pairs; the
       caller keeps what rounding to it loses).
+    apply: as in `sparse_allgather_means`.
 
   Returns:
     float32[size], identical on all workers.
   """
   return sparse_allgather_means(values, indices, [(values.shape[0], size)],
-                                axis_name=axis_name, wire_dtype=wire_dtype)[0]
+                                axis_name=axis_name, wire_dtype=wire_dtype, apply=apply)[0]
 
 
 def sparse_allgather_means(
@@ -181,6 +191,7 @@ def sparse_allgather_means(
     *,
     axis_name: AxisName,
     wire_dtype: str = "float32",
+    apply: Optional[jax.Array] = None,
 ) -> list[jax.Array]:
   """Means over workers of several sparse vectors sent in one all-gather.
 
@@ -199,9 +210,14 @@ def sparse_allgather_means(
     axis_name: the data-parallel axis.
     wire_dtype: "float32" (8-byte pairs) or "bfloat16" (6-byte pairs: the
       values are rounded to it before they leave; the caller keeps the rounding).
+    apply: a bool scalar, the same on every worker: False adds nothing (every
+      mean is zero), masking the received pairs rather than the dense means;
+      None: True.
 
   Returns:
     float32[size_j] per segment, identical on all workers (typed replicated).
+    Each row is divided by P before it is added, so finite rows never sum
+    past the float range.
 
   Raises:
     ValueError: when the segments do not add up to the buffer.
@@ -223,6 +239,9 @@ def sparse_allgather_means(
     rows_values, rows_indices = _unpack(gather_replicated(_pack(values, indices), axis_name))
     num = num_workers(axis_name)
   starts = list(itertools.accumulate([0] + slots[:-1]))
+  rows_values = rows_values / num  # exact for P a power of two
+  if apply is not None:
+    rows_values = jnp.where(apply, rows_values, 0.0)  # NaN rows of a skipped step too
 
   def add_row(row, dense):
     # Rows are added one at a time in worker order, and within a row (one
@@ -233,8 +252,7 @@ def sparse_allgather_means(
             for d, a, n in zip(dense, starts, slots)]
 
   first = add_row(0, [jnp.zeros((size,), jnp.float32) for _, size in segments])
-  dense = lax.fori_loop(1, rows_values.shape[0], add_row, first)
-  return [d / num for d in dense]
+  return lax.fori_loop(1, rows_values.shape[0], add_row, first)
 
 
 def _merge_topk(
@@ -345,6 +363,7 @@ def gtopk_mean(
     k: int,
     *,
     axis_name: AxisName,
+    apply: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array]:
   """gTop-k aggregation that loses no gradient mass.
 
@@ -361,15 +380,20 @@ def gtopk_mean(
     indices: int32[c] their indices, sentinel ``n``.
     k: number of global indices.
     axis_name: the data-parallel axis.
+    apply: a bool scalar, the same on every worker: False makes the mean zero
+      (the k summed values masked, not the dense mean); None: True.
 
   Returns:
     ``(mean, sent)``: float32[n] dense mean over workers (identical on all,
     typed replicated), and
-    int32[k] the indices every worker sent (sentinel-padded).
+    int32[k] the indices every worker sent (sentinel-padded). Values are
+    divided by P before they are summed, so finite ones never sum past the
+    float range.
   """
   size = flat.shape[0]
   sent = gtopk_indices(values, indices, k, size, axis_name=axis_name)
-  local = flat.astype(jnp.float32).at[sent].get(mode="fill", fill_value=0.0)
+  workers = num_workers(axis_name)
+  local = flat.astype(jnp.float32).at[sent].get(mode="fill", fill_value=0.0) / workers
   if axis_name is None:
     summed, agreed = local, sent
   else:
@@ -378,8 +402,9 @@ def gtopk_mean(
     # (k int32 more), so the mean is typed replicated.
     summed, agreed = lax.psum(
         (local, jnp.where(worker_index(axis_name) == 0, sent, 0)), axis_name)
-  mean = jnp.zeros((size,), jnp.float32).at[agreed].set(
-      summed / num_workers(axis_name), mode="drop")
+  if apply is not None:
+    summed = jnp.where(apply, summed, 0.0)
+  mean = jnp.zeros((size,), jnp.float32).at[agreed].set(summed, mode="drop")
   return mean, sent
 
 

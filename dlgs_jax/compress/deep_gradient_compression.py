@@ -43,7 +43,7 @@ import optax
 from jax import lax
 
 from dlgs_jax.compress import collectives, common
-from dlgs_jax.compress import engine, grouping
+from dlgs_jax.compress import engine, exchange, grouping
 from dlgs_jax.compress import segmented
 from dlgs_jax.compress.state import DGCState, empty_stats, skipped_stats, step_stats
 
@@ -313,7 +313,7 @@ class _Step:
                                sample_ratio=s.sample_ratio, band=(s.lower, s.upper),
                                max_lowering=s.max_lowering)
             for j, v in enumerate(accumulated)]
-        out = engine.sparse_exchange(self.sparse_layout, select, "allgather", accumulated,
+        out = exchange.sparse_exchange(self.sparse_layout, select, "allgather", accumulated,
                                      thresholds, axis_name=s.axis_name)
         return (out[0],) + tuple(common.as_varying(out[1:5], s.axis_name))
       return run
@@ -343,7 +343,7 @@ class _Step:
       selected.append(sel)
       passed.append(pas)
     if dense:
-      dense_means, sent, _ = engine.dense_exchange(self.dense_layout, [u[i] for i in dense],
+      dense_means, sent, _ = exchange.dense_exchange(self.dense_layout, [u[i] for i in dense],
                                                    axis_name=s.axis_name)
       for j, i in enumerate(dense):
         means[i] = dense_means[j]

@@ -34,9 +34,10 @@ update is all zeros, the residuals, thresholds and step count are kept, and
 ``stats.skipped`` goes up by one. Workers agree through one tiny all-reduce of a
 flag, so they never diverge. Optimizers chained after this transform still see
 the zero update (momentum keeps moving the weights, as it would for a zero
-gradient). The exchange itself runs either way and the flag only chooses its
-result (`common.unless_nonfinite`), so that each group's collective waits for its own
-gradients only.
+gradient). The exchange itself runs either way, so that each group's collective
+waits for its own gradients only; the sparse transforms then mask the k-sized
+received pairs and residual writes (`exchange.sparse_exchange`), the others
+select between results (`common.unless_nonfinite`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dlgs_jax.compress import common, engine, rules, wire
+from dlgs_jax.compress import common, engine, exchange, rules, wire
 from dlgs_jax.compress.state import (DenseState, DLGSState, SparseState, empty_stats,
                                      skipped_stats, step_stats)
 
@@ -100,28 +101,25 @@ def _sparse_transform(
     accumulated = [e + g.astype(e.dtype) for e, g in zip(old_residuals, grads)]
     old_thresholds = (jax.tree_util.tree_leaves(state.thresholds)
                       if with_thresholds else None)
-
-    def communicate():
-      thresholds, chosen, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
-      if with_thresholds:
-        thresholds, chosen, exact = engine.select_threshold(
-            select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
-      means, residuals, selected, passed, sent, received = engine.sparse_exchange(
-          layout, select, collective, accumulated, thresholds, axis_name=axis_name,
-          chosen=chosen, wire_dtype=wire_dtype)
-      stats = step_stats(state.stats, sent, received, selected, passed, exact)
-      return means, common.as_varying((residuals, thresholds, stats, state.count + 1), axis_name)
-
-    def skip():
-      means = [jnp.zeros(shape, jnp.float32) for shape in layout.shapes]
-      stats = skipped_stats(state.stats)
-      return means, common.as_varying(
-          (list(old_residuals), old_thresholds, stats, state.count), axis_name)
-
-    means, (residuals, thresholds, stats, count) = common.unless_nonfinite(
-        skip_nonfinite, grads, axis_name, communicate, skip)
+    thresholds, chosen, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
+    if with_thresholds:
+      thresholds, chosen, exact = engine.select_threshold(
+          select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
+    out = exchange.sparse_exchange(
+        layout, select, collective, accumulated, thresholds, axis_name=axis_name,
+        chosen=chosen, wire_dtype=wire_dtype, previous=old_residuals,
+        grads_finite=common.locally_finite(grads) if skip_nonfinite else None)
+    applied = out.applied
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(applied, a, b), new, old)
+    stats = keep(step_stats(state.stats, out.bytes_sent, out.bytes_received, out.selected,
+                            out.passed, exact), skipped_stats(state.stats))
+    count = state.count + applied.astype(jnp.int32)
+    if with_thresholds:
+      thresholds = keep(list(thresholds), old_thresholds)
+    residuals, thresholds, stats, count = common.as_varying(
+        (out.residuals, thresholds, stats, count), axis_name)
     unflatten = lambda leaves: jax.tree_util.tree_unflatten(layout.treedef, leaves)
-    sent, residuals = common.round_into_residuals(means, residuals, grads)
+    sent, residuals = common.round_into_residuals(out.means, residuals, grads)
     new_updates = unflatten(sent)
     if with_thresholds:
       return new_updates, DLGSState(count, unflatten(residuals), unflatten(thresholds), stats)
@@ -317,7 +315,7 @@ def dense(
     num_groups = len(layout.groups)
 
     def communicate():
-      means, sent, received = engine.dense_exchange(layout, grads, axis_name=axis_name,
+      means, sent, received = exchange.dense_exchange(layout, grads, axis_name=axis_name,
                                                     wire_dtype=wire_dtype)
       sizes = jnp.asarray([layout.group_size(g) for g in range(num_groups)], jnp.int32)
       stats = step_stats(state.stats, sent, received, sizes, sizes)

@@ -45,19 +45,31 @@ def test_a_gradient_tree_that_does_not_match_is_named_the_right_way_round(name):
 # TernGrad sends ternary values scaled by the shared maximum, so its exchange meets
 # no such sum (at these magnitudes its rounding probabilities underflow instead).
 @pytest.mark.parametrize("name", sorted(set(factories()) - {"terngrad"}))
-def test_finite_gradients_whose_mean_overflows_skip_the_step(name):
-  """3e38 on every worker is finite, its sum is not: the step is skipped and counted."""
+def test_finite_gradients_whose_sum_overflows_have_their_finite_mean_applied(name):
+  """3e38 on every worker sums past float32's range, its mean does not: each worker's
+  share is divided by P before it is added, so the step applies 3e38 where it sends."""
   tx = factories("data")[name]
   rng = np.random.default_rng(0)
   good = {k: rng.standard_normal((W,) + v.shape).astype(np.float32) for k, v in PARAMS.items()}
   huge = {k: np.full((W,) + v.shape, 3e38, np.float32) for k, v in PARAMS.items()}
   updates, _, states = run_steps(tx, PARAMS, [good, huge], W)
+  applied = flat_workers(updates[1])
+  assert np.all(np.isfinite(applied)) and np.max(applied) == np.float32(3e38)
+  assert np.all(states[1].stats.skipped == 0) and np.all(states[1].count == 2)
+
+
+@pytest.mark.parametrize("name", ["dlgs", "gtopk", "lags", "topk"])
+def test_a_message_that_overflows_skips_the_step_and_keeps_the_residuals(name):
+  """Residual plus gradient past the range (2e38 owed + 2e38 new) is not finite where
+  the gradient was: the message's check skips the step on every worker."""
+  tx = factories("data")[name]
+  huge = {k: np.full((W,) + v.shape, 2e38, np.float32) for k, v in PARAMS.items()}
+  updates, _, states = run_steps(tx, PARAMS, [huge, huge], W)
   assert np.all(flat_workers(updates[1]) == 0.0)
   assert np.all(states[1].stats.skipped == 1) and np.all(states[1].count == 1)
-  residuals = getattr(states[1], "residuals", None)
-  if residuals is not None:  # kept as they were after the good step
-    np.testing.assert_array_equal(flat_workers(residuals), flat_workers(states[0].residuals))
-
+  np.testing.assert_array_equal(flat_workers(states[1].residuals),
+                                flat_workers(states[0].residuals))
+  assert np.max(flat_workers(states[0].residuals)) == np.float32(2e38)
 
 
 @pytest.mark.parametrize("name", sorted(factories()))

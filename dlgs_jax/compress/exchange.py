@@ -1,0 +1,267 @@
+"""One communication step of a transform: messages, collectives, means and residuals.
+
+`sparse_exchange` sends what a `engine.Selection` picks, group by group, and
+gives back the mean over workers and the new residual of every leaf;
+`dense_exchange` all-reduces groups densely (tensor fusion). Both work on
+flat leaf lists in the order of an `engine.Layout`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dlgs_jax.compress import collectives, selection, wire
+from dlgs_jax.compress.engine import Layout, Selection, concat_flat, split_flat
+
+
+class Exchanged(NamedTuple):
+  """One sparse communication step's results (`sparse_exchange`)."""
+  means: list                # per leaf, float32 in its shape: the mean over workers (zeros when not applied)
+  residuals: list            # per leaf, its residual's dtype: the new residual (the old one when not applied)
+  selected: jax.Array        # int32[num_groups]: values this worker sent per group
+  passed: jax.Array          # int32[num_groups]: values that met the selection rule (> selected on overflow)
+  bytes_sent: jax.Array      # float32[]: bytes this worker put on the wire
+  bytes_received: jax.Array  # float32[]: bytes this worker took off the wire
+  applied: jax.Array         # bool[]: the step counted (every worker's gradients and message finite)
+
+
+class _Message(NamedTuple):
+  """A group's pairs before its collective."""
+  values: jax.Array   # float[c]: the values sent, slot after slot
+  indices: Any        # layer-wise: one int32 index buffer per leaf (local); else int32[c] into the group
+  passed: jax.Array   # int32[]: values that met the rule
+  flats: Any          # layer-wise: the leaves' accumulated values, flat; else the group's concatenation
+
+
+def sparse_exchange(
+    layout: Layout,
+    select: Selection,
+    collective: str,
+    accumulated: Sequence[jax.Array],
+    thresholds: Optional[Sequence[jax.Array]],
+    *,
+    axis_name,
+    chosen: Optional[Sequence[tuple[jax.Array, jax.Array]]] = None,
+    wire_dtype: str = "float32",
+    previous: Optional[Sequence[jax.Array]] = None,
+    grads_finite: Optional[jax.Array] = None,
+) -> Exchanged:
+  """One sparse communication step over all groups.
+
+  Each group is one collective. With the all-gather and a layer-wise rule
+  ("threshold", "layer_topk") the message holds each leaf's buffer in turn,
+  indices local to the leaf (`collectives.sparse_allgather_means`); otherwise
+  indices point into the concatenation of the group's leaves.
+
+  A step is skipped on every worker when any worker's gradients or message
+  hold a value that is not finite (`grads_finite`): one flag is summed over
+  workers once the messages are selected, and it masks the received pairs and
+  the k-sized residual writes -- not the dense means -- while each group's
+  collective still waits for its own values only.
+
+  Args:
+    layout: the static layout.
+    select: the selection rule.
+    collective: "allgather" or "gtopk".
+    accumulated: flat list of g = residual + gradient per leaf.
+    thresholds: H_l per leaf (float32 scalars) for the "threshold" rule.
+    axis_name: the data-parallel axis.
+    chosen: for the "threshold" rule, per leaf its index buffer and the
+      int32 number of values that passed (`engine.select_threshold`); without
+      it each leaf's buffer is selected here from `thresholds`.
+    wire_dtype: the all-gather's value dtype; with "bfloat16" what rounding a
+      sent value loses stays in the residual.
+    previous: the old residual per leaf, kept when the step is skipped
+      (needed with `grads_finite`).
+    grads_finite: bool scalar, whether this worker's gradients are all
+      finite (`common.locally_finite`); None: every step is applied.
+
+  Returns:
+    `Exchanged`.
+  """
+  layer_wise = select.kind != "group_topk" and collective == "allgather"
+
+  def leaf_indices(leaf):
+    """(int32[slots] local indices with sentinel = leaf size, int32 passed)."""
+    if select.kind == "threshold":
+      if chosen is not None:
+        return chosen[leaf]
+      return selection.threshold_indices(accumulated[leaf], thresholds[leaf],
+                                         select.leaf_capacity(layout, leaf))
+    local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
+    return local, jnp.asarray(local.shape[0], jnp.int32)
+
+  # Every group's message first: the flag that skips a step needs all of them.
+  messages = [(_layer_wise_message if layer_wise else _group_message)(
+      layout, select, group, accumulated, leaf_indices) for group in range(len(layout.groups))]
+  applied = None
+  if grads_finite is not None:
+    # A message can overflow where its gradients did not (e + g past the range).
+    finite = grads_finite
+    for message in messages:
+      finite = finite & jnp.all(jnp.isfinite(message.values))
+    applied = collectives.all_agree(finite, axis_name)
+
+  means: list[Any] = [None] * len(layout.paths)
+  residuals: list[Any] = [None] * len(layout.paths)
+  selected, passed, sent_bytes, received_bytes = [], [], [], []
+  for group, message in enumerate(messages):
+    send = _send_layer_wise if layer_wise else _send_group
+    count, bytes_out, bytes_in = send(layout, select, collective, group, message, means,
+                                      residuals, axis_name=axis_name, wire_dtype=wire_dtype,
+                                      applied=applied, previous=previous)
+    selected.append(count)
+    passed.append(message.passed)
+    sent_bytes.append(bytes_out)
+    received_bytes.append(bytes_in)
+  return Exchanged(means, residuals, jnp.stack(selected), jnp.stack(passed),
+                   _total(sent_bytes), _total(received_bytes),
+                   jnp.ones((), jnp.bool_) if applied is None else applied)
+
+
+def _total(amounts) -> jax.Array:
+  return sum(amounts, jnp.zeros((), jnp.float32))
+
+
+def _layer_wise_message(layout, select, group, accumulated, leaf_indices) -> _Message:
+  # Layer-wise selection needs no dense concatenation of the group: each
+  # leaf's pairs go into its own slots of the one message, and its mean and
+  # residual are scattered in place (on ResNet-50 the concatenation and
+  # the split back cost more than the reuse step's selection).
+  del select
+  leaves = layout.groups[group]
+  sent, leaf_passed = zip(*(leaf_indices(leaf) for leaf in leaves))
+  flats = [accumulated[leaf].reshape(-1) for leaf in leaves]
+  values = jnp.concatenate([g.at[i].get(mode="fill", fill_value=0).astype(jnp.float32)
+                            for g, i in zip(flats, sent)])
+  return _Message(values, sent, sum(leaf_passed), flats)
+
+
+def _group_message(layout, select, group, accumulated, leaf_indices) -> _Message:
+  leaves = layout.groups[group]
+  size = layout.group_size(group)
+  flat = concat_flat([accumulated[leaf] for leaf in leaves])
+  if select.kind == "group_topk":
+    indices = selection.topk_indices(flat, select.group_k(layout, group))
+    group_passed = jnp.asarray(indices.shape[0], jnp.int32)
+  else:
+    parts, group_passed, offset = [], jnp.zeros((), jnp.int32), 0
+    for leaf in leaves:
+      local, one_passed = leaf_indices(leaf)
+      parts.append(jnp.where(local < layout.sizes[leaf], local + offset, size))
+      group_passed = group_passed + one_passed
+      offset += layout.sizes[leaf]
+    indices = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  return _Message(flat.at[indices].get(mode="fill", fill_value=0), indices, group_passed, flat)
+
+
+def _send_layer_wise(layout, select, collective, group, message, means, residuals, *,
+                     axis_name, wire_dtype, applied, previous):
+  """A layer-wise group's all-gather; fills `means` and `residuals` of its leaves."""
+  del select, collective
+  leaves = layout.groups[group]
+  indices = jnp.concatenate(message.indices)
+  segments = [(i.shape[0], layout.sizes[leaf]) for leaf, i in zip(leaves, message.indices)]
+  group_means = collectives.sparse_allgather_means(
+      message.values, indices, segments, axis_name=axis_name, wire_dtype=wire_dtype,
+      apply=applied)
+  kept = _split_like(_unsent(message.values, wire_dtype), message.indices)
+  for leaf, g, i, mean, k in zip(leaves, message.flats, message.indices, group_means, kept):
+    means[leaf] = mean.reshape(layout.shapes[leaf])
+    residuals[leaf] = _written(g, i, k, layout.sizes[leaf], applied,
+                               None if previous is None else previous[leaf]
+                               ).reshape(layout.shapes[leaf])
+  count = sum(selection.count_valid(i, layout.sizes[leaf])
+              for leaf, i in zip(leaves, message.indices))
+  size = wire.allgather_bytes(indices.shape[0], collectives.num_workers(axis_name), wire_dtype)
+  return count, size, size
+
+
+def _send_group(layout, select, collective, group, message, means, residuals, *,
+                axis_name, wire_dtype, applied, previous):
+  """A concatenated group's all-gather or gTop-k; fills `means` and `residuals` of its leaves."""
+  workers = collectives.num_workers(axis_name)
+  size = layout.group_size(group)
+  flat, values, sent = message.flats, message.values, message.indices
+  kept = jnp.zeros((), flat.dtype)
+  if collective == "allgather":
+    mean = collectives.sparse_allgather_mean(values, sent, size, axis_name=axis_name,
+                                             wire_dtype=wire_dtype, apply=applied)
+    kept = _unsent(values.astype(jnp.float32), wire_dtype).astype(flat.dtype)
+    bytes_out = bytes_in = wire.allgather_bytes(sent.shape[0], workers, wire_dtype)
+  else:
+    k = select.group_k(layout, group)
+    mean, sent = collectives.gtopk_mean(flat, values, sent, k, axis_name=axis_name,
+                                        apply=applied)
+    bytes_out, bytes_in = wire.gtopk_bytes(k, workers, collectives.worker_index(axis_name))
+  residual_group = split_flat(layout, group, flat.at[sent].set(kept, mode="drop"))
+  for leaf, value in split_flat(layout, group, mean).items():
+    means[leaf] = value
+    residual = residual_group[leaf].astype(previous[leaf].dtype if previous is not None
+                                           else flat.dtype)
+    if applied is not None:
+      # A group laid end to end is cut back into leaves anyway: the select rides on that copy.
+      residual = jnp.where(applied, residual, previous[leaf])
+    residuals[leaf] = residual
+  return selection.count_valid(sent, size), bytes_out, bytes_in
+
+
+def _written(g: jax.Array, indices: jax.Array, kept, size: int, applied, previous):
+  """The new residual of a leaf: `g` with what was sent at `indices` replaced by `kept`.
+
+  When the step is not `applied`, `previous` is kept: the select is fused into
+  the copy the in-place scatter needs anyway, and the scatter's k indices are
+  masked rather than its result.
+  """
+  if applied is None:
+    return g.at[indices].set(kept.astype(g.dtype), mode="drop")
+  base = jnp.where(applied, g, previous.reshape(-1).astype(g.dtype))
+  return base.at[jnp.where(applied, indices, size)].set(kept.astype(g.dtype), mode="drop")
+
+
+def _unsent(values: jax.Array, wire_dtype: str):
+  """What rounding float32 `values` to the wire's dtype loses (0 for float32)."""
+  if wire_dtype == "float32":
+    return jnp.zeros((), values.dtype)
+  return values - values.astype(jnp.bfloat16).astype(values.dtype)
+
+
+def _split_like(kept: jax.Array, parts: Sequence[jax.Array]) -> list:
+  """`kept` cut like the concatenation of `parts` (a scalar is every part's)."""
+  if kept.ndim == 0:
+    return [kept] * len(parts)
+  bounds = list(itertools.accumulate(p.shape[0] for p in parts))[:-1]
+  return jnp.split(kept, bounds)
+
+
+def dense_exchange(layout: Layout, updates: Sequence[jax.Array], *, axis_name,
+                   wire_dtype: Optional[str] = None):
+  """Mean all-reduce with tensor fusion: one collective per group.
+
+  Args:
+    layout: the static layout.
+    updates: one worker's leaves.
+    axis_name: the data-parallel axis.
+    wire_dtype: the dtype summed on the wire ("bfloat16": the usual bf16
+      all-reduce); None: the leaves' own.
+
+  Returns:
+    ``(means, bytes_sent, bytes_received)``.
+  """
+  workers = collectives.num_workers(axis_name)
+  means: list[Any] = [None] * len(layout.paths)
+  total_bytes = 0.0
+  for group, leaves in enumerate(layout.groups):
+    flat = concat_flat([updates[leaf] for leaf in leaves])
+    if wire_dtype is not None:
+      flat = flat.astype(wire_dtype)
+    mean = collectives.dense_mean(flat, axis_name=axis_name)
+    for leaf, value in split_flat(layout, group, mean).items():
+      means[leaf] = value
+    total_bytes += wire.allreduce_bytes(flat.shape[0], workers, flat.dtype.itemsize)
+  sent = jnp.asarray(total_bytes, jnp.float32)
+  return means, sent, sent
