@@ -58,9 +58,9 @@ def threshold_step(layout, select, reuse_every):
 
   @jax.jit
   def step(leaves, thresholds, count):
-    thresholds, chosen, _ = engine.select_threshold(
+    thresholds, picked, _ = engine.select_threshold(
         select, layout, leaves, thresholds, count % reuse_every == 0)
-    return [indices for indices, _ in chosen], thresholds
+    return [p.positions for p in picked], thresholds
 
   return step
 

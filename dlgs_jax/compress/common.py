@@ -104,19 +104,14 @@ def check_groups(groups, order):
   return groups, order
 
 
-def locally_finite(leaves: Sequence[jax.Array]) -> jax.Array:
-  """Whether every value of this worker's `leaves` is finite (bool scalar)."""
+def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
+  """Whether every value of `leaves` is finite on every worker (bool scalar)."""
   # A boolean any, not a count: XLA:CPU reduces a bool to a flag in one fast
   # pass, while counting (bool -> int32, then a sum) took several times longer.
   bad = jnp.zeros((), jnp.bool_)
   for leaf in leaves:
     bad = bad | jnp.any(~jnp.isfinite(leaf))
-  return ~bad
-
-
-def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
-  """Whether every value of `leaves` is finite on every worker (bool scalar)."""
-  return collectives.all_agree(locally_finite(leaves), axis_name)
+  return collectives.all_agree(~bad, axis_name)
 
 
 def unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name,

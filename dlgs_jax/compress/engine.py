@@ -9,6 +9,7 @@ them, and `transforms.py` wraps both into optax transformations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any, Optional, Sequence
@@ -332,26 +333,32 @@ def _adapted(rule: rules.AdaptedReuse, values: segmented.Values, previous: jax.A
   return previous.at[aimed_at].set(previous[aimed_at] * (f_lo + part * (f_hi - f_lo)))
 
 
-def threshold_indices(select: Selection, layout: Layout, leaves: Sequence[int],
-                      values: segmented.Values, words: jax.Array
-                      ) -> tuple[list[jax.Array], jax.Array]:
-  """Each leaf's buffer of passing indices (local, sentinel = its size) and its passed count."""
-  capacities = [select.leaf_capacity(layout, leaf) for leaf in leaves]
-  positions, passed = segmented.compact(words, values.segs, capacities)
-  return segmented.local_indices(positions, values.segs, capacities), passed
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["values", "positions", "passed"], meta_fields=["capacities"])
+@dataclasses.dataclass(frozen=True)
+class Picked:
+  """A group's values that passed their thresholds, in fixed-capacity slots (`select_threshold`)."""
+  values: segmented.Values     # the group's g = e + grad: laid out, or leaf by leaf
+  positions: jax.Array         # int32[sum(capacities)]: buffer positions, leaf after leaf; sentinel segs.length
+  passed: jax.Array            # int32[L]: values that passed per leaf (> its capacity on overflow)
+  capacities: tuple[int, ...]  # slots per leaf
+
+  def local(self) -> list[jax.Array]:
+    """Each leaf's slots as indices into the leaf (sentinel: its size)."""
+    return segmented.local_indices(self.positions, self.values.segs, self.capacities)
 
 
 def select_threshold(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
                      previous: Sequence[jax.Array], recompute: jax.Array):
-  """DLGS's selection, group by group: `step_thresholds`, then `threshold_indices`.
+  """DLGS's selection, group by group: `step_thresholds`, then `segmented.compact`.
 
   Returns:
-    ``(thresholds, chosen, exact)``: float32 scalars per leaf; per leaf its
-    index buffer and passed count (for `sparse_exchange`); the int32 number of
-    leaves whose threshold was computed exactly.
+    ``(thresholds, picked, exact)``: float32 scalars per leaf; per group its
+    `Picked` (for `exchange.sparse_exchange`); the int32 number of leaves whose
+    threshold was computed exactly.
   """
   thresholds: list[Any] = [None] * len(layout.sizes)
-  chosen: list[Any] = [None] * len(layout.sizes)
+  picked = []
   exact = jnp.zeros((), jnp.int32)
   for leaves in layout.groups:
     values = segmented.values_of([accumulated[leaf] for leaf in leaves],
@@ -360,9 +367,10 @@ def select_threshold(select: Selection, layout: Layout, accumulated: Sequence[ja
     found, words, group_exact = step_thresholds(
         select, layout, leaves, values, jnp.stack([previous[leaf] for leaf in leaves]),
         recompute)
-    indices, passed = threshold_indices(select, layout, leaves, values, words)
+    capacities = tuple(select.leaf_capacity(layout, leaf) for leaf in leaves)
+    positions, passed = segmented.compact(words, values.segs, capacities)
+    picked.append(Picked(values, positions, passed, capacities))
     for i, leaf in enumerate(leaves):
       thresholds[leaf] = found[i]
-      chosen[leaf] = (indices[i], passed[i])
     exact = exact + group_exact
-  return thresholds, chosen, exact
+  return thresholds, picked, exact

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from dlgs_jax.compress import collectives, selection, wire
+from dlgs_jax.compress import collectives, common, engine, segmented, selection, wire
 from dlgs_jax.compress.engine import Layout, Selection, concat_flat, split_flat
 
 
@@ -45,23 +45,28 @@ def sparse_exchange(
     thresholds: Optional[Sequence[jax.Array]],
     *,
     axis_name,
-    chosen: Optional[Sequence[tuple[jax.Array, jax.Array]]] = None,
+    picked: Optional[Sequence[engine.Picked]] = None,
     wire_dtype: str = "float32",
     previous: Optional[Sequence[jax.Array]] = None,
-    grads_finite: Optional[jax.Array] = None,
+    skip_nonfinite: bool = False,
 ) -> Exchanged:
   """One sparse communication step over all groups.
 
   Each group is one collective. With the all-gather and a layer-wise rule
-  ("threshold", "layer_topk") the message holds each leaf's buffer in turn,
-  indices local to the leaf (`collectives.sparse_allgather_means`); otherwise
-  indices point into the concatenation of the group's leaves.
+  ("threshold", "layer_topk") the message holds each leaf's buffer in turn.
+  A group DLGS selected laid out in one buffer (`engine.Picked`) sends
+  positions in that buffer, and its mean and residual are one scatter each
+  over it, cut back into leaves: kernels do not grow with its leaves. Leaf by
+  leaf, indices are local to each leaf (`collectives.sparse_allgather_means`)
+  and each leaf is scattered in place. Otherwise (Top-k, gTop-k) indices
+  point into the concatenation of the group's leaves.
 
-  A step is skipped on every worker when any worker's gradients or message
-  hold a value that is not finite (`grads_finite`): one flag is summed over
-  workers once the messages are selected, and it masks the received pairs and
-  the k-sized residual writes -- not the dense means -- while each group's
-  collective still waits for its own values only.
+  With `skip_nonfinite`, a step is skipped on every worker when any worker's
+  g = residual + gradient holds a value that is not finite (a NaN or an
+  infinity in a gradient, or a sum past the range): one flag is summed over
+  workers, and it masks the received pairs and the k-sized residual writes --
+  not the dense means -- while each group's collective still waits for its
+  own values only. A group laid out in one buffer is checked in one pass.
 
   Args:
     layout: the static layout.
@@ -70,47 +75,63 @@ def sparse_exchange(
     accumulated: flat list of g = residual + gradient per leaf.
     thresholds: H_l per leaf (float32 scalars) for the "threshold" rule.
     axis_name: the data-parallel axis.
-    chosen: for the "threshold" rule, per leaf its index buffer and the
-      int32 number of values that passed (`engine.select_threshold`); without
-      it each leaf's buffer is selected here from `thresholds`.
+    picked: for the "threshold" rule, each group's selection
+      (`engine.select_threshold`); without it each leaf's buffer is selected
+      here from `thresholds`.
     wire_dtype: the all-gather's value dtype; with "bfloat16" what rounding a
       sent value loses stays in the residual.
     previous: the old residual per leaf, kept when the step is skipped
-      (needed with `grads_finite`).
-    grads_finite: bool scalar, whether this worker's gradients are all
-      finite (`common.locally_finite`); None: every step is applied.
+      (needed with `skip_nonfinite`).
+    skip_nonfinite: skip steps whose values are not finite; False: every
+      step is applied.
 
   Returns:
     `Exchanged`.
   """
   layer_wise = select.kind != "group_topk" and collective == "allgather"
+  where = {leaf: (group, i) for group, leaves in enumerate(layout.groups)
+           for i, leaf in enumerate(leaves)}
 
   def leaf_indices(leaf):
     """(int32[slots] local indices with sentinel = leaf size, int32 passed)."""
     if select.kind == "threshold":
-      if chosen is not None:
-        return chosen[leaf]
+      if picked is not None:
+        group, i = where[leaf]
+        return picked[group].local()[i], picked[group].passed[i]
       return selection.threshold_indices(accumulated[leaf], thresholds[leaf],
                                          select.leaf_capacity(layout, leaf))
     local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
     return local, jnp.asarray(local.shape[0], jnp.int32)
 
+  def sender(group):
+    # A float32 group only: the buffer is float32 (`segmented.lay_out`).
+    if (layer_wise and picked is not None and picked[group].values.flat is not None
+        and all(accumulated[leaf].dtype == jnp.float32 for leaf in layout.groups[group])):
+      return _laid_out_message, _send_laid_out
+    if layer_wise:
+      return _layer_wise_message, _send_layer_wise
+    return _group_message, _send_group
+
   # Every group's message first: the flag that skips a step needs all of them.
-  messages = [(_layer_wise_message if layer_wise else _group_message)(
-      layout, select, group, accumulated, leaf_indices) for group in range(len(layout.groups))]
+  messages = [sender(group)[0](layout, select, group, accumulated, leaf_indices, picked)
+              for group in range(len(layout.groups))]
   applied = None
-  if grads_finite is not None:
-    # A message can overflow where its gradients did not (e + g past the range).
-    finite = grads_finite
+  if skip_nonfinite:
+    checked = []
     for message in messages:
-      finite = finite & jnp.all(jnp.isfinite(message.values))
-    applied = collectives.all_agree(finite, axis_name)
+      if isinstance(message.flats, segmented.Values):
+        checked.append(message.flats.flat)
+      elif isinstance(message.flats, list):
+        checked.extend(message.flats)
+      else:
+        checked.append(message.flats)
+    applied = common.all_finite(checked, axis_name)
 
   means: list[Any] = [None] * len(layout.paths)
   residuals: list[Any] = [None] * len(layout.paths)
   selected, passed, sent_bytes, received_bytes = [], [], [], []
   for group, message in enumerate(messages):
-    send = _send_layer_wise if layer_wise else _send_group
+    send = sender(group)[1]
     count, bytes_out, bytes_in = send(layout, select, collective, group, message, means,
                                       residuals, axis_name=axis_name, wire_dtype=wire_dtype,
                                       applied=applied, previous=previous)
@@ -127,12 +148,39 @@ def _total(amounts) -> jax.Array:
   return sum(amounts, jnp.zeros((), jnp.float32))
 
 
-def _layer_wise_message(layout, select, group, accumulated, leaf_indices) -> _Message:
+def _laid_out_message(layout, select, group, accumulated, leaf_indices, picked) -> _Message:
+  del select, accumulated, leaf_indices
+  chosen = picked[group]
+  values = chosen.values.flat.at[chosen.positions].get(mode="fill", fill_value=0.0)
+  return _Message(values, chosen.positions, jnp.sum(chosen.passed), chosen.values)
+
+
+def _send_laid_out(layout, select, collective, group, message, means, residuals, *,
+                   axis_name, wire_dtype, applied, previous):
+  """A laid-out group's all-gather: one scatter for its mean and one for its residual."""
+  del select, collective
+  leaves = layout.groups[group]
+  segs, flat, positions = message.flats.segs, message.flats.flat, message.indices
+  mean = collectives.sparse_allgather_mean(message.values, positions, segs.length,
+                                           axis_name=axis_name, wire_dtype=wire_dtype,
+                                           apply=applied)
+  residual = flat.at[positions].set(_unsent(message.values, wire_dtype), mode="drop")
+  shapes = [layout.shapes[leaf] for leaf in leaves]
+  for leaf, value, kept in zip(leaves, segmented.cut(mean, segs, shapes),
+                               segmented.cut(residual, segs, shapes)):
+    means[leaf] = value
+    # The cut copies the buffer into leaves anyway: a skip's select rides on it.
+    residuals[leaf] = kept if applied is None else jnp.where(applied, kept, previous[leaf])
+  size = wire.allgather_bytes(positions.shape[0], collectives.num_workers(axis_name), wire_dtype)
+  return selection.count_valid(positions, segs.length), size, size
+
+
+def _layer_wise_message(layout, select, group, accumulated, leaf_indices, picked) -> _Message:
   # Layer-wise selection needs no dense concatenation of the group: each
   # leaf's pairs go into its own slots of the one message, and its mean and
   # residual are scattered in place (on ResNet-50 the concatenation and
   # the split back cost more than the reuse step's selection).
-  del select
+  del select, picked
   leaves = layout.groups[group]
   sent, leaf_passed = zip(*(leaf_indices(leaf) for leaf in leaves))
   flats = [accumulated[leaf].reshape(-1) for leaf in leaves]
@@ -141,7 +189,8 @@ def _layer_wise_message(layout, select, group, accumulated, leaf_indices) -> _Me
   return _Message(values, sent, sum(leaf_passed), flats)
 
 
-def _group_message(layout, select, group, accumulated, leaf_indices) -> _Message:
+def _group_message(layout, select, group, accumulated, leaf_indices, picked) -> _Message:
+  del picked
   leaves = layout.groups[group]
   size = layout.group_size(group)
   flat = concat_flat([accumulated[leaf] for leaf in leaves])

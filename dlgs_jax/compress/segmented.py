@@ -285,6 +285,8 @@ def _split(buffer: jax.Array, lengths: Sequence[int]) -> list[jax.Array]:
   return jnp.split(buffer, bounds) if len(lengths) > 1 else [buffer]
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["flat", "leaves"], meta_fields=["segs"])
 @dataclasses.dataclass(frozen=True)
 class Values:
   """Every leaf's values for one step: one laid-out buffer, or the leaves as they are.

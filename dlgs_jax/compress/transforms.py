@@ -101,14 +101,14 @@ def _sparse_transform(
     accumulated = [e + g.astype(e.dtype) for e, g in zip(old_residuals, grads)]
     old_thresholds = (jax.tree_util.tree_leaves(state.thresholds)
                       if with_thresholds else None)
-    thresholds, chosen, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
+    thresholds, picked, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
     if with_thresholds:
-      thresholds, chosen, exact = engine.select_threshold(
+      thresholds, picked, exact = engine.select_threshold(
           select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
     out = exchange.sparse_exchange(
         layout, select, collective, accumulated, thresholds, axis_name=axis_name,
-        chosen=chosen, wire_dtype=wire_dtype, previous=old_residuals,
-        grads_finite=common.locally_finite(grads) if skip_nonfinite else None)
+        picked=picked, wire_dtype=wire_dtype, previous=old_residuals,
+        skip_nonfinite=skip_nonfinite)
     applied = out.applied
     keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(applied, a, b), new, old)
     stats = keep(step_stats(state.stats, out.bytes_sent, out.bytes_received, out.selected,

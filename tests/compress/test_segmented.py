@@ -312,7 +312,7 @@ def test_a_groups_program_holds_its_table_of_leaf_numbers_once(monkeypatch, laid
   assert len(tables) == 1, tables
 
 
-# One leaf kept as it is (DGC, a few leaves on CPU): the sorted kernel.
+# One leaf kept as it is (DGC): the sampled candidates and their radix select.
 def test_exact_threshold_of_one_leaf_matches_numpy():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((17, 9)).astype(np.float32)
