@@ -453,23 +453,3 @@ def ring_allreduce(x: jax.Array, *, axis_name: AxisName) -> jax.Array:
     incoming = lax.ppermute(outgoing, axis_name, to_next)
     chunks = lax.dynamic_update_index_in_dim(chunks, incoming, (rank - step) % p, 0)
   return chunks.reshape(-1)[:flat.shape[0]].reshape(x.shape)
-
-
-def fused_pmean(tree, *, axis_name: AxisName):
-  """Mean over workers of every leaf of `tree` in one all-reduce.
-
-  Small tensors (BatchNorm statistics, scalar metrics) each cost a collective's
-  full latency when reduced one by one -- on a real network that latency, not
-  the bytes, dominates. Leaves are cast to float32, concatenated, reduced once
-  and cut back (and cast back to their dtypes).
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  if axis_name is None or not leaves:
-    return tree
-  flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-  mean = lax.pmean(flat, axis_name)
-  out, offset = [], 0
-  for x in leaves:
-    out.append(mean[offset:offset + x.size].reshape(x.shape).astype(x.dtype))
-    offset += x.size
-  return jax.tree_util.tree_unflatten(treedef, out)

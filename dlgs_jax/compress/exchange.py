@@ -98,7 +98,7 @@ def sparse_exchange(
       if picked is not None:
         group, i = where[leaf]
         return picked[group].local()[i], picked[group].passed[i]
-      return selection.threshold_indices(accumulated[leaf], thresholds[leaf],
+      return segmented.threshold_indices(accumulated[leaf], thresholds[leaf],
                                          select.leaf_capacity(layout, leaf))
     local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
     return local, jnp.asarray(local.shape[0], jnp.int32)
@@ -314,3 +314,22 @@ def dense_exchange(layout: Layout, updates: Sequence[jax.Array], *, axis_name,
     total_bytes += wire.allreduce_bytes(flat.shape[0], workers, flat.dtype.itemsize)
   sent = jnp.asarray(total_bytes, jnp.float32)
   return means, sent, sent
+
+
+def fused_mean(tree, *, axis_name):
+  """Mean over workers of every leaf of `tree` in one all-reduce: `dense_exchange` of one group.
+
+  Small tensors (BatchNorm statistics, scalar metrics) each cost a collective's
+  full latency when reduced one by one -- on a real network that latency, not
+  the bytes, dominates. Leaves are cast to float32, laid end to end, reduced
+  once and cut back (and cast back to their dtypes).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if axis_name is None or not leaves:
+    return tree
+  as_float = [jnp.asarray(x, jnp.float32) for x in leaves]
+  layout = engine.make_layout(jax.tree_util.tree_unflatten(treedef, as_float), None, None,
+                              single_group=True)
+  means, _, _ = dense_exchange(layout, as_float, axis_name=axis_name)
+  return jax.tree_util.tree_unflatten(
+      treedef, [m.reshape(jnp.shape(x)).astype(jnp.result_type(x)) for m, x in zip(means, leaves)])

@@ -16,8 +16,7 @@ leaves together:
   select on the float's bits (three histogram passes, no sort, no
   conditional, no data-dependent loop);
 * `compact`: indices of the passing values into per-leaf fixed-capacity
-  buffers, the first ones in index order -- the same indices
-  `selection.indices_from_words` gives leaf by leaf;
+  buffers, the first ones in index order (`threshold_indices`: one array);
 * `exact_thresholds`: `kth_largest` of a laid-out buffer; leaf by leaf
   (CPU), of candidates above a strided sample's lower bound, with one
   conditional for the whole leaves where a bound misses.
@@ -138,7 +137,7 @@ def segment_sums(per_word_values: jax.Array, segs: Segments) -> jax.Array:
 def pack(flat: jax.Array, thresholds: jax.Array, segs: Segments) -> jax.Array:
   """Packed masks of ``|x| >= H_l`` and ``x != 0``: uint32[W], or [W, M] for thresholds [L, M].
 
-  Bit i of word w is value 32w+i, as `selection.pack_passing` packs one leaf.
+  Bit i of word w is value 32w+i of the buffer.
   """
   magnitude = jnp.abs(flat).reshape(-1, WORD)
   bounds = per_word(thresholds, segs)
@@ -231,10 +230,11 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
             ) -> tuple[jax.Array, jax.Array]:
   """Buffer positions of the passing values, capacities[l] slots per leaf, leaf after leaf.
 
-  `selection.indices_from_words` for every leaf at once: a prefix sum over
-  the words' popcounts gives each word its first slot within its leaf, a
-  running max spreads word indices over the slots, and a 5-step bit search
-  finds the bit. Leaf l's slots are ``[sum(capacities[:l]), + capacities[l])``,
+  A scatter of every position into the buffer is the obvious way and costs
+  as much as a sort on CPU. Instead a prefix sum over the words' popcounts
+  gives each word its first slot within its leaf, a running max spreads word
+  indices over the slots, and a 5-step bit search finds the bit: a scatter of
+  n/32 words and O(capacity) work. Leaf l's slots are ``[sum(capacities[:l]), + capacities[l])``,
   holding its first ``min(passed_l, capacity_l)`` passing values in index order.
 
   Args:
@@ -269,6 +269,31 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
                      local + _repeat(leaf_base, capacities) - word_starts[word_index])
   positions = jnp.where(local < _repeat(passed, capacities), word_index * WORD + bit, segs.length)
   return positions, passed
+
+
+def threshold_indices(x: jax.Array, threshold: jax.Array, capacity: int
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Flat indices of one array's values with ``|x| >= threshold`` and ``x != 0``.
+
+  `pack` and `compact` of a single leaf. At most `capacity` indices are
+  returned, the first ones in flat index order; values that pass but do not
+  fit are not selected (the caller keeps them in its residual). Zeros are
+  never selected: sending them moves nothing.
+
+  Args:
+    x: any-shaped array.
+    threshold: scalar.
+    capacity: static buffer size, 1 <= capacity <= x.size.
+
+  Returns:
+    ``(indices, passed)``: int32[capacity] indices in increasing order, padded
+    with the sentinel ``x.size``, and the int32 number of values that passed
+    the threshold (possibly more than `capacity`).
+  """
+  segs = segments_of([x.size])
+  words = pack(lay_out([x], segs), jnp.reshape(threshold, (1,)).astype(jnp.float32), segs)
+  positions, passed = compact(words, segs, [capacity])
+  return local_indices(positions, segs, [capacity])[0], passed[0]
 
 
 def local_indices(positions: jax.Array, segs: Segments, capacities: Sequence[int]

@@ -36,7 +36,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from dlgs_jax.compress import collectives, common
+from dlgs_jax.compress import collectives, common, exchange
 from dlgs_jax.compress.state import comm_stats_by_path
 from dlgs_jax.workload import parallel
 
@@ -516,7 +516,7 @@ def _average(model_state, metrics: dict, axis_name):
                      f"averaged over workers; keep them out of the model state (give "
                      f"data_parallel a seed: the loss gets a key per step and worker)")
   floating = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
-  means, metrics = collectives.fused_pmean(
+  means, metrics = exchange.fused_mean(
       ([x for x, f in zip(leaves, floating) if f], metrics), axis_name=axis_name)
   # Integer state (counters) is the same on every worker; the maximum types it replicated.
   others = [lax.pmax(x, axis_name) for x, f in zip(leaves, floating) if not f]

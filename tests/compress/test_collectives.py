@@ -228,18 +228,3 @@ def test_ring_allreduce_single_worker_is_identity():
   np.testing.assert_array_equal(collectives.ring_allreduce(x, axis_name=None), x)
 
 
-def test_fused_pmean_is_one_collective_and_equals_pmean():
-  workers = 4
-  rng = np.random.default_rng(7)
-  tree = {"a": rng.standard_normal((workers, 3, 2)).astype(np.float32),
-          "b": rng.integers(0, 5, (workers, 4)).astype(np.float32),
-          "c": rng.standard_normal((workers,)).astype(np.float32)}
-  out = run(lambda t: collectives.fused_pmean(t, axis_name="data"), workers, tree)
-  for name, value in tree.items():
-    for w in range(workers):
-      np.testing.assert_allclose(out[name][w], value.mean(0), rtol=1e-6, atol=1e-6)
-  mesh = parallel.data_mesh(workers)
-  fn = jax.shard_map(lambda t: collectives.fused_pmean(t, axis_name="data"), mesh=mesh,
-                     in_specs=P("data"), out_specs=P("data"))
-  text = str(jax.make_jaxpr(fn)(tree))
-  assert text.count("psum") == 1

@@ -175,7 +175,7 @@ def test_compaction_matches_the_leaf_by_leaf_selection(laid_out):
   indices, passed, taken = batched([jnp.asarray(x) for x in leaves])
   offset = 0
   for x, t, c, got, n in zip(leaves, thresholds, capacities, indices, passed):
-    want, want_passed = selection.threshold_indices(jnp.asarray(x), jnp.asarray(t), c)
+    want, want_passed = reference_threshold(x, t, c)
     np.testing.assert_array_equal(got, want)
     assert int(n) == int(want_passed) == int(np.sum((np.abs(x) >= t) & (x != 0)))
     chosen = np.asarray(got)[np.asarray(got) < x.size]
@@ -326,7 +326,7 @@ def test_threshold_at_exact_kth_selects_exactly_k():
   x = rng.standard_normal(1000).astype(np.float32)
   k = 37
   h = segmented.exact_threshold(jnp.asarray(x), k)
-  got, passed = jax.jit(selection.threshold_indices, static_argnums=2)(x, h, k)
+  got, passed = jax.jit(segmented.threshold_indices, static_argnums=2)(x, h, k)
   assert int(passed) == k
   assert set(np.asarray(got)) == set(np.argsort(-np.abs(x))[:k])
 
@@ -362,3 +362,37 @@ def test_exact_threshold_is_exact_on_a_head_whose_classes_differ_in_scale():
   k = 20480
   got = jax.jit(segmented.exact_threshold, static_argnums=1)(jnp.asarray(x), k)
   assert float(got) == float(np.sort(np.abs(x).reshape(-1))[-k])
+
+
+def reference_threshold(x, threshold, capacity):
+  flat = x.ravel()
+  passing = np.flatnonzero((np.abs(flat) >= threshold) & (flat != 0))
+  chosen = passing[:capacity]
+  out = np.full(capacity, flat.size, np.int32)
+  out[:len(chosen)] = chosen
+  return out, len(passing)
+
+
+@pytest.mark.parametrize("threshold,capacity", [(0.5, 40), (1.5, 40), (0.0, 10), (3.0, 5)])
+def test_threshold_indices_matches_numpy(threshold, capacity):
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((8, 25)).astype(np.float32)
+  x[0, :5] = 0.0  # zeros never pass, even with threshold 0
+  fn = jax.jit(segmented.threshold_indices, static_argnums=2)
+  got, passed = fn(x, jnp.float32(threshold), capacity)
+  want, want_passed = reference_threshold(x, threshold, capacity)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert int(passed) == want_passed
+  assert int(selection.count_valid(got, x.size)) == min(capacity, want_passed)
+
+
+@pytest.mark.parametrize("size", [31, 32, 33, 1000, 4099])
+def test_threshold_indices_word_packing_edges(size):
+  rng = np.random.default_rng(size)
+  x = rng.standard_normal(size).astype(np.float32)
+  for threshold, capacity in ((0.3, size), (1.0, max(1, size // 3)), (10.0, 5)):
+    got, passed = jax.jit(segmented.threshold_indices, static_argnums=2)(
+        x, jnp.float32(threshold), capacity)
+    want, want_passed = reference_threshold(x, threshold, capacity)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert int(passed) == want_passed
