@@ -58,7 +58,7 @@ def threshold_step(layout, select, reuse_every):
 
   @jax.jit
   def step(leaves, thresholds, count):
-    thresholds, picked, _ = engine.select_threshold(
+    thresholds, picked, _ = engine.pick(
         select, layout, leaves, thresholds, count % reuse_every == 0)
     return [p.positions for p in picked], thresholds
 

@@ -2,7 +2,7 @@
 
 A transform is described by a static `Layout` (which leaves exist, how they are
 grouped), a `Selection` (how a worker picks the values it sends) and a
-collective name. `select_threshold` picks DLGS's values; `exchange` sends
+collective name. `pick` chooses every method's values; `exchange` sends
 them, and `transforms.py` wraps both into optax transformations.
 """
 
@@ -164,8 +164,12 @@ class Selection:
     "layer_topk": exact top-k per leaf (LAGS);
     "group_topk": exact top-k over each whole group (Top-k, gTop-k).
 
-  The per-leaf kinds send the leaves the layout marks whole (`Layout.whole`)
-  in full, inside the same message.
+  Every kind selects the same way (`pick`): values at or above a threshold,
+  compacted into fixed buffers; a top-k is the threshold recomputed exactly on
+  every step (the k-th largest ``|g|``, `segmented.exact_thresholds`) into a
+  buffer of k, ties kept in index order -- no sort. The per-leaf kinds send
+  the leaves the layout marks whole (`Layout.whole`) in full, inside the same
+  message.
   """
   kind: str
   density: float
@@ -337,7 +341,7 @@ def _adapted(rule: rules.AdaptedReuse, values: segmented.Values, previous: jax.A
                    data_fields=["values", "positions", "passed"], meta_fields=["capacities"])
 @dataclasses.dataclass(frozen=True)
 class Picked:
-  """A group's values that passed their thresholds, in fixed-capacity slots (`select_threshold`)."""
+  """A group's values that passed their thresholds, in fixed-capacity slots (`pick`)."""
   values: segmented.Values     # the group's g = e + grad: laid out, or leaf by leaf
   positions: jax.Array         # int32[sum(capacities)]: buffer positions, leaf after leaf; sentinel segs.length
   passed: jax.Array            # int32[L]: values that passed per leaf (> its capacity on overflow)
@@ -348,29 +352,46 @@ class Picked:
     return segmented.local_indices(self.positions, self.values.segs, self.capacities)
 
 
-def select_threshold(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
-                     previous: Sequence[jax.Array], recompute: jax.Array):
-  """DLGS's selection, group by group: `step_thresholds`, then `segmented.compact`.
+def pick(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
+         previous: Optional[Sequence[jax.Array]] = None,
+         recompute: Optional[jax.Array] = None):
+  """Every group's values to send, in fixed-capacity slots: one path for every kind.
+
+  DLGS ("threshold") takes `step_thresholds` from `previous` on the schedule
+  `recompute` says; LAGS ("layer_topk") the exact k_l-th largest of every leaf
+  and Top-k ("group_topk") that of the whole group (one segment), on every
+  step. Then one compaction per group (`segmented.compact`).
 
   Returns:
-    ``(thresholds, picked, exact)``: float32 scalars per leaf; per group its
-    `Picked` (for `exchange.sparse_exchange`); the int32 number of leaves whose
-    threshold was computed exactly.
+    ``(thresholds, picked, exact)``: float32 scalars per leaf (DLGS; None for
+    the others); per group its `Picked` (for `exchange.sparse_exchange`); the
+    int32 number of leaves whose threshold was computed exactly.
   """
   thresholds: list[Any] = [None] * len(layout.sizes)
   picked = []
   exact = jnp.zeros((), jnp.int32)
-  for leaves in layout.groups:
-    values = segmented.values_of([accumulated[leaf] for leaf in leaves],
-                                 segmented.segments_of([layout.sizes[leaf] for leaf in leaves]),
-                                 lay_out_by_default())
-    found, words, group_exact = step_thresholds(
-        select, layout, leaves, values, jnp.stack([previous[leaf] for leaf in leaves]),
-        recompute)
-    capacities = tuple(select.leaf_capacity(layout, leaf) for leaf in leaves)
+  for group, leaves in enumerate(layout.groups):
+    if select.kind == "group_topk":
+      parts = [concat_flat([accumulated[leaf] for leaf in leaves])]
+      ks, whole = [select.group_k(layout, group)], [False]
+      segs = segmented.segments_of([layout.group_size(group)])
+    else:
+      parts = [accumulated[leaf] for leaf in leaves]
+      ks = [select.leaf_k(layout, leaf) for leaf in leaves]
+      whole = [select.sent_whole(layout, leaf) for leaf in leaves]
+      segs = segmented.segments_of([layout.sizes[leaf] for leaf in leaves])
+    capacities = (tuple(ks) if select.kind == "group_topk" else
+                  tuple(select.leaf_capacity(layout, leaf) for leaf in leaves))
+    values = segmented.values_of(parts, segs, lay_out_by_default())
+    if select.kind == "threshold":
+      found, words, group_exact = step_thresholds(
+          select, layout, leaves, values, jnp.stack([previous[leaf] for leaf in leaves]),
+          recompute)
+      exact = exact + group_exact
+      for i, leaf in enumerate(leaves):
+        thresholds[leaf] = found[i]
+    else:
+      words = values.pack(segmented.exact_thresholds(values, ks, whole))
     positions, passed = segmented.compact(words, values.segs, capacities)
     picked.append(Picked(values, positions, passed, capacities))
-    for i, leaf in enumerate(leaves):
-      thresholds[leaf] = found[i]
-    exact = exact + group_exact
-  return thresholds, picked, exact
+  return (thresholds if select.kind == "threshold" else None), picked, exact

@@ -75,9 +75,8 @@ def sparse_exchange(
     accumulated: flat list of g = residual + gradient per leaf.
     thresholds: H_l per leaf (float32 scalars) for the "threshold" rule.
     axis_name: the data-parallel axis.
-    picked: for the "threshold" rule, each group's selection
-      (`engine.select_threshold`); without it each leaf's buffer is selected
-      here from `thresholds`.
+    picked: each group's selection (`engine.pick`); without it (DGC) each
+      leaf's buffer is selected here from `thresholds`.
     wire_dtype: the all-gather's value dtype; with "bfloat16" what rounding a
       sent value loses stays in the residual.
     previous: the old residual per leaf, kept when the step is skipped
@@ -94,14 +93,12 @@ def sparse_exchange(
 
   def leaf_indices(leaf):
     """(int32[slots] local indices with sentinel = leaf size, int32 passed)."""
-    if select.kind == "threshold":
-      if picked is not None:
-        group, i = where[leaf]
-        return picked[group].local()[i], picked[group].passed[i]
-      return segmented.threshold_indices(accumulated[leaf], thresholds[leaf],
-                                         select.leaf_capacity(layout, leaf))
-    local = selection.topk_indices(accumulated[leaf], select.leaf_k(layout, leaf))
-    return local, jnp.asarray(local.shape[0], jnp.int32)
+    if picked is not None:
+      group, i = where[leaf]
+      return picked[group].local()[i], picked[group].passed[i]
+    # Thresholds given as they are (DGC's estimates).
+    return segmented.threshold_indices(accumulated[leaf], thresholds[leaf],
+                                       select.leaf_capacity(layout, leaf))
 
   def sender(group):
     # A float32 group only: the buffer is float32 (`segmented.lay_out`).
@@ -190,13 +187,13 @@ def _layer_wise_message(layout, select, group, accumulated, leaf_indices, picked
 
 
 def _group_message(layout, select, group, accumulated, leaf_indices, picked) -> _Message:
-  del picked
   leaves = layout.groups[group]
   size = layout.group_size(group)
   flat = concat_flat([accumulated[leaf] for leaf in leaves])
   if select.kind == "group_topk":
-    indices = selection.topk_indices(flat, select.group_k(layout, group))
-    group_passed = jnp.asarray(indices.shape[0], jnp.int32)
+    # The group's one segment: positions in it are indices into the concatenation.
+    positions, group_passed = picked[group].positions, picked[group].passed[0]
+    indices = jnp.where(positions < size, positions, size)
   else:
     parts, group_passed, offset = [], jnp.zeros((), jnp.int32), 0
     for leaf in leaves:

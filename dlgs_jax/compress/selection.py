@@ -17,6 +17,7 @@ padding never touches real data.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -80,12 +81,22 @@ def coprime_stride(stride: int, size: int) -> int:
   return stride
 
 
+# Ties in any order: XLA:GPU then takes its select-k kernel for k <= 128 instead
+# of a full sort. The argument exists from JAX 0.11.
+_UNSTABLE = ({"is_stable": False}
+             if "is_stable" in inspect.signature(lax.top_k).parameters else {})
+
+
 def topk_indices(x: jax.Array, k: int) -> jax.Array:
-  """Flat indices (int32[k]) of the k largest ``|x|`` (exact, sorts the input)."""
+  """Flat indices (int32[k]) of the k largest ``|x|`` (exact; ties in any order).
+
+  XLA sorts the input for all but small k (on GPU, k <= 128 with a JAX whose
+  `lax.top_k` takes ``is_stable``).
+  """
   flat = jnp.abs(x.reshape(-1))
   if k == flat.shape[0]:
     return jnp.arange(k, dtype=jnp.int32)
-  return lax.top_k(flat, k)[1].astype(jnp.int32)
+  return lax.top_k(flat, k, **_UNSTABLE)[1].astype(jnp.int32)
 
 
 def bit_of_rank(word: jax.Array, rank: jax.Array) -> jax.Array:

@@ -101,10 +101,9 @@ def _sparse_transform(
     accumulated = [e + g.astype(e.dtype) for e, g in zip(old_residuals, grads)]
     old_thresholds = (jax.tree_util.tree_leaves(state.thresholds)
                       if with_thresholds else None)
-    thresholds, picked, exact = old_thresholds, None, jnp.zeros((), jnp.int32)
-    if with_thresholds:
-      thresholds, picked, exact = engine.select_threshold(
-          select, layout, accumulated, old_thresholds, state.count % reuse_every == 0)
+    thresholds, picked, exact = engine.pick(
+        select, layout, accumulated, old_thresholds,
+        state.count % reuse_every == 0 if with_thresholds else None)
     out = exchange.sparse_exchange(
         layout, select, collective, accumulated, thresholds, axis_name=axis_name,
         picked=picked, wire_dtype=wire_dtype, previous=old_residuals,

@@ -263,7 +263,7 @@ def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
     params = {f"w{i:02d}": jnp.zeros((64, 40 + i)) for i in range(leaves)}
     layout = engine.make_layout(params, None, None, single_group=True)
     select = engine.Selection("threshold", 0.01, rule=rules.AdaptedReuse())
-    select_fn = lambda g, t, r, layout=layout: engine.select_threshold(select, layout, g, t, r)
+    select_fn = lambda g, t, r, layout=layout: engine.pick(select, layout, g, t, r)
     counts.append(programs.program_counts(select_fn, jax.tree_util.tree_leaves(params),
                                           [jnp.zeros(())] * leaves, jnp.bool_(False)))
   for leaves, c in zip((3, 30), counts):
@@ -305,7 +305,7 @@ def test_a_groups_program_holds_its_table_of_leaf_numbers_once(monkeypatch, laid
   layout = engine.make_layout(params, None, None, single_group=True)
   select = engine.Selection("threshold", 0.01, rule=rules.AdaptedReuse())
   words = segmented.segments_of(layout.sizes).num_words
-  text = jax.jit(lambda g, t, r: engine.select_threshold(select, layout, g, t, r)).lower(
+  text = jax.jit(lambda g, t, r: engine.pick(select, layout, g, t, r)).lower(
       jax.tree_util.tree_leaves(params), [jnp.zeros(())] * 30, jnp.bool_(False)).as_text()
   tables = [line for line in text.splitlines()
             if "constant" in line and f"tensor<{words}xi32>" in line.split("=")[-1]]
