@@ -9,8 +9,8 @@ On the real leaf shapes of ResNet-20, VGG16 (CIFAR) and ResNet-50, at density
   fixed-capacity buffers (also reported: the exact and the reuse step alone);
 * ``paper``: the same on the paper's fixed schedule (thresholds reused as
   they are: ``FixedReuse``), what the adaptation costs;
-* ``lags``: exact ``lax.top_k`` of every leaf, every step;
-* ``topk``: one ``lax.top_k`` over all leaves concatenated;
+* ``lags``: the exact k-th largest of every leaf and a compaction, every step;
+* ``topk``: the same over all leaves as one segment;
 * ``*_update``: the whole transform update on one worker (residual add,
   selection, gather, scatter back, new residual), for context. DLGS's updates
   run one period of its schedule (``reuse_every`` steps, each on a gradient
@@ -43,7 +43,6 @@ from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.compress.state import comm_stats
 from dlgs_jax.workload import models
 from dlgs_jax import profiling
-from dlgs_jax.compress import selection
 from dlgs_jax.profiling import programs
 from dlgs_jax.profiling.update import warm_state
 
@@ -81,15 +80,18 @@ def make_selectors(params, density, reuse_every, grouped, candidates):
   paper = engine.Selection("threshold", density, rule=dlgs_jax.FixedReuse(reuse_every))
   paper_step = threshold_step(layout, paper, reuse_every)
 
+  lags = engine.Selection("layer_topk", density)
+
   @jax.jit
   def lags_step(leaves):
-    return [selection.topk_indices(g, k) for g, k in zip(leaves, ks)]
+    return [p.positions for p in engine.pick(lags, layout, leaves)[1]]
 
-  total_k = selection.num_to_keep(density, sum(sizes))
+  whole = engine.make_layout(params, None, None, single_group=True)
+  topk = engine.Selection("group_topk", density)
 
   @jax.jit
   def topk_step(leaves):
-    return selection.topk_indices(jnp.concatenate([g.reshape(-1) for g in leaves]), total_k)
+    return engine.pick(topk, whole, leaves)[1][0].positions
 
   return dlgs_step, paper_step, lags_step, topk_step
 

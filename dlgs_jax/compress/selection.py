@@ -1,14 +1,13 @@
 """Choosing which gradient values a worker sends.
 
-Two ways to pick values, both with static output shapes so they run under
-`jax.jit`:
-
-* exact top-k (`topk_indices`): `lax.top_k` sorts the whole input on CPU and GPU,
-  so it costs O(n log n) -- the price LAGS pays every step;
-* threshold selection into a fixed-capacity buffer (`segmented.compact`, one
-  array through `segmented.threshold_indices`): one elementwise comparison and
-  a prefix sum, O(n) -- the cheap path DLGS takes on the steps where it reuses
-  a threshold (Ju et al. 2024, Algorithm 1).
+Every method picks values one way, with static output shapes so it runs under
+`jax.jit`: threshold selection into a fixed-capacity buffer
+(`segmented.compact`, one array through `segmented.threshold_indices`), one
+elementwise comparison and a prefix sum, O(n) -- the cheap path DLGS takes on
+the steps where it reuses a threshold (Ju et al. 2024, Algorithm 1). An exact
+top-k is the same selection at the exact k-th largest value
+(`segmented.exact_thresholds`), which no sort computes. This module holds the
+small pieces: how many values to keep, sample strides, and bit ranks.
 
 Index buffers are padded with a *sentinel* equal to the input's size; every
 consumer gathers with ``mode="fill"`` and scatters with ``mode="drop"`` so the
@@ -17,7 +16,6 @@ padding never touches real data.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import jax
@@ -40,8 +38,8 @@ def num_to_keep(density: float, size: int) -> int:
   return int(min(size, max(1, math.ceil(density * size - 1e-9))))
 
 
-# Up to this size a full sort is as cheap as the sampled path on one core; at
-# four times it the sort costs several times more (experiments/performance_notes.md).
+# Up to this size a leaf's values are all candidates for its exact threshold:
+# a sample would cost about as much as the pass it saves.
 SMALL_LEAF = 1 << 15
 
 
@@ -79,24 +77,6 @@ def coprime_stride(stride: int, size: int) -> int:
   while math.gcd(stride, int(size)) != 1:
     stride -= 1
   return stride
-
-
-# Ties in any order: XLA:GPU then takes its select-k kernel for k <= 128 instead
-# of a full sort. The argument exists from JAX 0.11.
-_UNSTABLE = ({"is_stable": False}
-             if "is_stable" in inspect.signature(lax.top_k).parameters else {})
-
-
-def topk_indices(x: jax.Array, k: int) -> jax.Array:
-  """Flat indices (int32[k]) of the k largest ``|x|`` (exact; ties in any order).
-
-  XLA sorts the input for all but small k (on GPU, k <= 128 with a JAX whose
-  `lax.top_k` takes ``is_stable``).
-  """
-  flat = jnp.abs(x.reshape(-1))
-  if k == flat.shape[0]:
-    return jnp.arange(k, dtype=jnp.int32)
-  return lax.top_k(flat, k, **_UNSTABLE)[1].astype(jnp.int32)
 
 
 def bit_of_rank(word: jax.Array, rank: jax.Array) -> jax.Array:

@@ -230,7 +230,8 @@ def lags(
 ) -> optax.GradientTransformation:
   """Layer-wise adaptive gradient sparsification (LAGS, Shi et al. 2020).
 
-  Exact ``lax.top_k`` of every leaf on every step, with error-feedback
+  Exact top-k of every leaf on every step (the k-th largest ``|g|`` found
+  without a sort, then a compaction; ties kept in index order), with error-feedback
   residuals. Arguments as in `dlgs` (`send_whole`, `wire_dtype` too); state
   `SparseState`.
   """

@@ -14,13 +14,6 @@ def test_num_to_keep(density, size, expected):
   assert selection.num_to_keep(density, size) == expected
 
 
-def test_topk_indices_matches_numpy():
-  rng = np.random.default_rng(1)
-  x = rng.standard_normal(500).astype(np.float32)
-  got = np.asarray(jax.jit(selection.topk_indices, static_argnums=1)(x, 25))
-  assert set(got) == set(np.argsort(-np.abs(x))[:25])
-
-
 def test_coprime_stride_is_the_largest_sharing_no_factor_with_the_size():
   for stride, size in [(1, 64), (16, 1 << 18), (125, 2048 * 1000), (4, 70000), (7, 36864), (9, 9)]:
     got = selection.coprime_stride(stride, size)
