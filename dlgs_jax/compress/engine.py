@@ -167,7 +167,8 @@ class Selection:
   Every kind selects the same way (`pick`): values at or above a threshold,
   compacted into fixed buffers; a top-k is the threshold recomputed exactly on
   every step (the k-th largest ``|g|``, `segmented.exact_thresholds`) into a
-  buffer of k, ties kept in index order -- no sort. The per-leaf kinds send
+  buffer of k: every value above it, then its ties in index order
+  (`segmented.compact_top`) -- no sort. The per-leaf kinds send
   the leaves the layout marks whole (`Layout.whole`) in full, inside the same
   message.
   """
@@ -390,8 +391,12 @@ def pick(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
       exact = exact + group_exact
       for i, leaf in enumerate(leaves):
         thresholds[leaf] = found[i]
+      positions, passed = segmented.compact(words, values.segs, capacities)
     else:
-      words = values.pack(segmented.exact_thresholds(values, ks, whole))
-    positions, passed = segmented.compact(words, values.segs, capacities)
+      found = segmented.exact_thresholds(values, ks, whole)
+      at_or_above = values.pack(found)
+      above = values.pack(jnp.nextafter(found, jnp.inf))
+      positions, passed = segmented.compact_top(above, at_or_above & ~above, values.segs,
+                                                capacities)
     picked.append(Picked(values, positions, passed, capacities))
   return (thresholds if select.kind == "threshold" else None), picked, exact

@@ -271,6 +271,35 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
   return positions, passed
 
 
+def compact_top(above: jax.Array, ties: jax.Array, segs: Segments, capacities: Sequence[int]
+                ) -> tuple[jax.Array, jax.Array]:
+  """`compact` of an exact top-k: every value above the k-th largest, then ties in index order.
+
+  A compaction of ``|x| >= t`` alone keeps its first `capacity` values in
+  index order, which with ties at t can drop larger values further on. Here
+  the values above t (fewer than k of them) take the first slots of each
+  leaf and its ties at t fill the rest.
+
+  Args:
+    above: uint32[W] packed ``|x| > t_l`` (`pack` at the next float above t).
+    ties: uint32[W] packed ``|x| == t_l`` (nonzero).
+    segs: the layout.
+    capacities: slots per leaf (k_l each).
+
+  Returns:
+    ``(positions, passed)`` as `compact`; passed counts both masks.
+  """
+  first, taken = compact(above, segs, capacities)
+  second, tied = compact(ties, segs, capacities)
+  capacities = np.asarray(capacities, np.int64)
+  starts = np.concatenate([[0], np.cumsum(capacities)[:-1]]).astype(np.int32)
+  slot_start = _repeat(jnp.asarray(starts), capacities)
+  local = jnp.arange(int(capacities.sum()), dtype=jnp.int32) - slot_start
+  taken_here = _repeat(jnp.minimum(taken, jnp.asarray(capacities, jnp.int32)), capacities)
+  from_second = jnp.maximum(slot_start + local - taken_here, 0)
+  return jnp.where(local < taken_here, first, second[from_second]), taken + tied
+
+
 def threshold_indices(x: jax.Array, threshold: jax.Array, capacity: int
                       ) -> tuple[jax.Array, jax.Array]:
   """Flat indices of one array's values with ``|x| >= threshold`` and ``x != 0``.

@@ -396,3 +396,37 @@ def test_threshold_indices_word_packing_edges(size):
     want, want_passed = reference_threshold(x, threshold, capacity)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert int(passed) == want_passed
+
+
+def test_a_top_k_keeps_every_value_above_its_threshold_whatever_the_ties():
+  # Ties at the k-th largest come first in index order, a larger value last: a
+  # compaction of |x| >= t alone would fill the buffer with ties and drop it.
+  from dlgs_jax.compress import engine, grouping  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(12)
+  tied = np.concatenate([np.full(40, 0.5, np.float32), rng.uniform(0.0, 0.4, 50),
+                         np.float32([3.0, -2.0])]).astype(np.float32)
+  other = np.round(rng.standard_normal(300), 1).astype(np.float32)  # many ties
+  params = {"a": jnp.zeros(tied.shape), "b": jnp.zeros(other.shape)}
+  for kind, single in (("layer_topk", False), ("group_topk", True)):
+    for laid_out in (True, False):
+      layout = engine.make_layout(params, None, None, single_group=single)
+      select = engine.Selection(kind, 0.1)
+      engine_view = engine.lay_out_by_default
+      engine.lay_out_by_default = lambda v=laid_out: v
+      try:
+        _, picked, _ = jax.jit(lambda ls: engine.pick(select, layout, ls))(
+            [jnp.asarray(tied), jnp.asarray(other)])
+      finally:
+        engine.lay_out_by_default = engine_view
+      arrays = [tied, other]
+      for group, members in zip(picked, layout.groups):
+        parts = ([np.concatenate([arrays[m] for m in members])] if single
+                 else [arrays[m] for m in members])
+        for i, (start, part) in enumerate(zip(group.values.segs.offsets, parts)):
+          k = selection.num_to_keep(0.1, part.size)
+          slots = np.asarray(group.positions)[sum(group.capacities[:i]):][:group.capacities[i]]
+          chosen = slots[slots < group.values.segs.length] - start
+          kth = kth_largest_np(part, k)
+          assert chosen.size == k, (kind, laid_out, chosen.size, k)
+          assert set(np.flatnonzero(np.abs(part) > kth)) <= set(chosen), (kind, laid_out)
+          assert np.all(np.abs(part[chosen]) >= kth)
