@@ -90,12 +90,15 @@ def sparse_exchange(
   layer_wise = select.kind != "group_topk" and collective == "allgather"
   where = {leaf: (group, i) for group, leaves in enumerate(layout.groups)
            for i, leaf in enumerate(leaves)}
+  local = {}  # group -> its leaves' index buffers, cut once
 
   def leaf_indices(leaf):
     """(int32[slots] local indices with sentinel = leaf size, int32 passed)."""
     if picked is not None:
       group, i = where[leaf]
-      return picked[group].local()[i], picked[group].passed[i]
+      if group not in local:
+        local[group] = picked[group].local()
+      return local[group][i], picked[group].passed[i]
     # Thresholds given as they are (DGC's estimates).
     return segmented.threshold_indices(accumulated[leaf], thresholds[leaf],
                                        select.leaf_capacity(layout, leaf))
