@@ -34,7 +34,8 @@ class _Message(NamedTuple):
   values: jax.Array   # float[c]: the values sent, slot after slot
   indices: Any        # layer-wise: one int32 index buffer per leaf (local); else int32[c] into the group
   passed: jax.Array   # int32[]: values that met the rule
-  flats: Any          # layer-wise: the leaves' accumulated values, flat; else the group's concatenation
+  flats: Any          # layer-wise: the leaves' accumulated values, flat; laid out: its `segmented.Values`; else the group's concatenation
+  checked: list       # the arrays holding every value of g = e + grad the group sends from
 
 
 def sparse_exchange(
@@ -117,15 +118,7 @@ def sparse_exchange(
               for group in range(len(layout.groups))]
   applied = None
   if skip_nonfinite:
-    checked = []
-    for message in messages:
-      if isinstance(message.flats, segmented.Values):
-        checked.append(message.flats.flat)
-      elif isinstance(message.flats, list):
-        checked.extend(message.flats)
-      else:
-        checked.append(message.flats)
-    applied = common.all_finite(checked, axis_name)
+    applied = common.all_finite([a for m in messages for a in m.checked], axis_name)
 
   means: list[Any] = [None] * len(layout.paths)
   residuals: list[Any] = [None] * len(layout.paths)
@@ -152,7 +145,8 @@ def _laid_out_message(layout, select, group, accumulated, leaf_indices, picked) 
   del select, accumulated, leaf_indices
   chosen = picked[group]
   values = chosen.values.flat.at[chosen.positions].get(mode="fill", fill_value=0.0)
-  return _Message(values, chosen.positions, jnp.sum(chosen.passed), chosen.values)
+  return _Message(values, chosen.positions, jnp.sum(chosen.passed), chosen.values,
+                  [chosen.values.flat])
 
 
 def _send_laid_out(layout, select, collective, group, message, means, residuals, *,
@@ -186,7 +180,7 @@ def _layer_wise_message(layout, select, group, accumulated, leaf_indices, picked
   flats = [accumulated[leaf].reshape(-1) for leaf in leaves]
   values = jnp.concatenate([g.at[i].get(mode="fill", fill_value=0).astype(jnp.float32)
                             for g, i in zip(flats, sent)])
-  return _Message(values, sent, sum(leaf_passed), flats)
+  return _Message(values, sent, sum(leaf_passed), flats, flats)
 
 
 def _group_message(layout, select, group, accumulated, leaf_indices, picked) -> _Message:
@@ -205,7 +199,8 @@ def _group_message(layout, select, group, accumulated, leaf_indices, picked) -> 
       group_passed = group_passed + one_passed
       offset += layout.sizes[leaf]
     indices = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-  return _Message(flat.at[indices].get(mode="fill", fill_value=0), indices, group_passed, flat)
+  return _Message(flat.at[indices].get(mode="fill", fill_value=0), indices, group_passed, flat,
+                  [flat])
 
 
 def _send_layer_wise(layout, select, collective, group, message, means, residuals, *,
