@@ -23,6 +23,44 @@ class RunError(Exception):
   """A run that cannot start or continue as configured (the message says why)."""
 
 
+# Drops are padded to a multiple of this, so that a run and the same run extended
+# by a drop or two compile one program: XLA fuses a schedule of more or fewer
+# scalar ops differently, which rounds the first steps' updates differently.
+_DROP_SLOTS = 8
+
+
+def step_decay(lr: float, boundaries, factor: float = 0.1) -> Callable:
+  """The learning rate `lr`, multiplied by `factor` at each of `boundaries` (steps).
+
+  The values are optax's `piecewise_constant_schedule`'s, bit for bit (each drop
+  multiplies the previous float32 value); the program is one table look-up whose
+  shape depends on the number of drops only past each `_DROP_SLOTS`.
+
+  Args:
+    lr: the learning rate before the first drop.
+    boundaries: increasing steps; from each one on, the rate is `factor` times lower.
+    factor: the multiplier at each drop.
+
+  Returns:
+    A schedule: step count -> float32 learning rate.
+  """
+  import jax.numpy as jnp
+  import numpy as np
+
+  values = [np.float32(lr)]
+  for _ in boundaries:
+    values.append(np.float32(factor) * values[-1])
+  slots = max(_DROP_SLOTS, -(-len(boundaries) // _DROP_SLOTS) * _DROP_SLOTS)
+  steps = np.full(slots, INT32_MAX, np.int32)
+  steps[:len(boundaries)] = boundaries
+  values = np.array(values + [values[-1]] * (slots - len(boundaries)), np.float32)
+
+  def schedule(count):
+    return jnp.asarray(values)[jnp.sum(jnp.asarray(count) >= steps)]
+
+  return schedule
+
+
 def load_data(config: RunConfig, model_shape):
   """(train set, test set, dataset name, crop padding) of the run's data section.
 
@@ -147,7 +185,6 @@ def build_run(config: RunConfig) -> Run:
   """The run `config` describes, at step 0 (nothing restored yet)."""
   import jax
   import numpy as np
-  import optax
 
   from dlgs_jax import training
   from dlgs_jax.compress import grouping
@@ -166,8 +203,7 @@ def build_run(config: RunConfig) -> Run:
   if total_steps > INT32_MAX:
     raise RunError(f"{total_steps} steps in all ({config.schedule.epochs} epochs x {spe}) do "
                    f"not fit the int32 step counter: give fewer --epochs or --steps")
-  schedule = optax.piecewise_constant_schedule(config.optimizer.lr, {
-      b: 0.1 for b in config.schedule.decay_boundaries(spe, total_steps)})
+  schedule = step_decay(config.optimizer.lr, config.schedule.decay_boundaries(spe, total_steps))
   sample = np.zeros((1,) + train_set.image_shape, np.uint8)
   variables = losses.init_variables(model, sample, config.seed)
   # Traced outside shard_map, so without the SyncBN axis (same parameters).

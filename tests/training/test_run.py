@@ -45,3 +45,34 @@ def test_a_dataset_is_identified_by_its_content_not_its_path(tmp_path):
   raw[100] ^= 1
   batch.write_bytes(bytes(raw))
   assert data.content_digest(data.load_cifar10(folder)[0]) != digest
+
+
+def test_step_decay_gives_optax_piecewise_constant_values_bit_for_bit():
+  import numpy as np
+  import optax
+
+  from dlgs_jax.training.run import step_decay
+
+  for boundaries in ([], [4, 6], [4, 6, 12], list(range(3, 60, 5))):  # 12 drops: two tables
+    ours = step_decay(0.05, boundaries)
+    theirs = optax.piecewise_constant_schedule(0.05, {b: 0.1 for b in boundaries})
+    counts = np.arange(0, 70, dtype=np.int32)
+    got = np.array([ours(c) for c in counts])
+    want = np.array([theirs(c) for c in counts], np.float32)  # no drops: a Python float
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.int32), want.view(np.int32))
+    assert got[0] == np.float32(0.05) and (len(boundaries) == 0 or got[-1] < got[0])
+
+
+def test_step_decay_compiles_one_program_for_up_to_eight_drops():
+  import jax
+  import numpy as np
+
+  from dlgs_jax.training.run import step_decay
+
+  def program(boundaries):
+    text = jax.jit(step_decay(0.05, boundaries)).lower(np.int32(3)).as_text()
+    return [line for line in text.splitlines() if "constant" not in line]
+
+  # Extending a run adds a drop: the program, less its constants, must not change.
+  assert program([4, 6]) == program([4, 6, 12]) == program(list(range(1, 9)))
+  assert program(list(range(1, 10))) != program([4, 6])
