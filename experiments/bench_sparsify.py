@@ -228,7 +228,7 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool
 def _laid_out_counts(tx, params) -> dict:
   """`programs.program_counts` of ``tx.update`` with every group laid out in one buffer."""
   default = engine.lay_out_by_default
-  engine.lay_out_by_default = lambda: True
+  engine.lay_out_by_default = lambda *_: True
   try:
     return programs.program_counts(tx.update, params, tx.init(params))
   finally:

@@ -59,7 +59,7 @@ def measure(model: str, only=None) -> list[dict]:
   for label, (tx, laid_out) in transforms(params).items():
     if only and not any(word in label for word in only):
       continue
-    engine.lay_out_by_default = (lambda v=laid_out: v) if laid_out is not None else default_view
+    engine.lay_out_by_default = (lambda *_, v=laid_out: v) if laid_out is not None else default_view
     try:
       state = jax.eval_shape(tx.init, params)
       start = time.perf_counter()

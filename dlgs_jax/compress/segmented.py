@@ -18,8 +18,8 @@ leaves together:
 * `compact`: indices of the passing values into per-leaf fixed-capacity
   buffers, the first ones in index order (`threshold_indices`: one array);
 * `exact_thresholds`: `kth_largest` of a laid-out buffer; leaf by leaf
-  (CPU), of candidates above a strided sample's lower bound, with one
-  conditional for the whole leaves where a bound misses.
+  (large groups on CPU), of candidates above a strided sample's lower bound,
+  with one conditional for the whole leaves where a bound misses.
 
 The number of kernels and conditionals of these passes does not depend on the
 number of leaves.
@@ -346,9 +346,10 @@ class Values:
   """Every leaf's values for one step: one laid-out buffer, or the leaves as they are.
 
   Both give the same words, samples and values. The buffer makes each pass
-  one kernel over all leaves (GPU); leaf by leaf avoids writing a copy of the
-  whole model, which XLA:CPU allocates afresh every step, and which on ResNet-50
-  cost several times the passes themselves (experiments/performance_notes.md).
+  one kernel over all leaves (accelerators, and groups of up to
+  `engine.CPU_LAY_OUT_MAX` values on CPU); leaf by leaf avoids writing a copy
+  of the group, which XLA:CPU allocates afresh every step, and which for large
+  groups costs more than the passes themselves (experiments/performance_notes.md).
   """
   segs: Segments
   flat: Optional[jax.Array] = None
@@ -433,7 +434,7 @@ def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -
   and no conditional, so an exact step is the reuse step's program plus a
   fixed handful of kernels.
 
-  Leaf by leaf (CPU, where a pass costs its bytes and a kernel nothing):
+  Leaf by leaf (large groups on CPU, where a pass costs its bytes and a kernel little):
   per large leaf a strided sample gives a lower bound that about 1.5 k_l
   values exceed; the values above the bounds are compacted into buffers of
   about 2 k_l (small leaves: all their values) and `kth_largest` runs on

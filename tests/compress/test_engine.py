@@ -176,3 +176,21 @@ def test_a_zero_leaf_that_fills_past_its_buffer_still_recomputes():
   got, exact = reuse_step(select, layout, leaves, previous, laid_out=True)
   assert int(exact) == 2
   np.testing.assert_array_equal(got, [kth_largest(x, 500) for x in leaves])
+
+
+def test_on_cpu_a_group_is_laid_out_up_to_its_size_limit_and_kept_leaf_by_leaf_past_it():
+  assert jax.default_backend() == "cpu"
+  limit = engine.CPU_LAY_OUT_MAX
+  assert engine.lay_out_by_default(limit) and not engine.lay_out_by_default(limit + 1)
+  # `pick` asks per group, by the group's padded length: a small bucket beside a
+  # large one is laid out, the large one is not.
+  tree = {"big": jax.ShapeDtypeStruct((limit + 1,), jnp.float32),
+          "small": jax.ShapeDtypeStruct((96,), jnp.float32)}
+  layout = engine.make_layout(tree, [["big"], ["small"]], ["big", "small"])
+  select = engine.Selection("layer_topk", 0.01)
+  _, picked, _ = jax.eval_shape(
+      lambda ls: engine.pick(select, layout, ls), [jnp.zeros(l.shape) for l in (
+          tree["big"], tree["small"])])
+  big, small = picked
+  assert big.values.flat is None and big.values.leaves is not None
+  assert small.values.flat is not None and small.values.flat.shape == (96,)

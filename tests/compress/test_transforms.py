@@ -689,7 +689,7 @@ def test_dlgs_laid_out_in_one_buffer_matches_leaf_by_leaf(monkeypatch, name):
   steps[3]["conv"]["kernel"][2, 0, 0, 0, 1] = np.nan
   results = []
   for laid_out in (True, False):
-    monkeypatch.setattr(engine, "lay_out_by_default", lambda v=laid_out: v)
+    monkeypatch.setattr(engine, "lay_out_by_default", lambda *_, v=laid_out: v)
     tx = (methods(0.1)[name] if name != "dlgs_bf16_wire" else dlgs_jax.dlgs(
         0.1, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), wire_dtype="bfloat16"))
     results.append(run_steps(tx, PARAMS, steps, W))
