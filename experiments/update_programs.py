@@ -7,7 +7,8 @@ sorts and top-k calls, loops, and the kernels a step launches. DLGS runs under
 the paper's rule (``FixedReuse(10)``) and the default (``AdaptedReuse``), with
 every leaf in one group and with the default buckets, in both views of a
 group's values: laid out in one buffer (what accelerators run,
-`engine.lay_out_by_default`) and leaf by leaf (what CPUs run). On this
+`engine.lay_out_by_default`) and leaf by leaf (what CPUs run for groups
+of more than `engine.CPU_LAY_OUT_MAX` values). On this
 backend the laid-out program is XLA:CPU's, so its counts say how many kernels
 the passes take, not what a GPU's fusion makes of them.
 
