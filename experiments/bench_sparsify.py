@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dlgs_jax
-from dlgs_jax.compress import engine, grouping
+from dlgs_jax.compress import engine, grouping, segmented
 from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.compress.state import comm_stats
 from dlgs_jax.workload import models
@@ -202,7 +202,7 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool
   A model of `n` leaves (3x3x32x32 kernels and their biases); each transform
   with its default grouping (`grouping.size_buckets`) and, for comparison,
   with one group per leaf. Compiled for this backend, not timed. On CPU DLGS
-  keeps a group's leaves as they are (`engine.lay_out_by_default`), so its
+  keeps a group's leaves as they are (`segmented.lay_out_by_default`), so its
   kernels grow with the leaves there; "dlgs laid out" compiles the view an
   accelerator takes, one buffer per group (left out with `laid_out` False).
   """
@@ -227,12 +227,12 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool
 
 def _laid_out_counts(tx, params) -> dict:
   """`programs.program_counts` of ``tx.update`` with every group laid out in one buffer."""
-  default = engine.lay_out_by_default
-  engine.lay_out_by_default = lambda *_: True
+  default = segmented.lay_out_by_default
+  segmented.lay_out_by_default = lambda *_: True
   try:
     return programs.program_counts(tx.update, params, tx.init(params))
   finally:
-    engine.lay_out_by_default = default
+    segmented.lay_out_by_default = default
 
 
 def format_grouping(rows) -> str:

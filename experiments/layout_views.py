@@ -1,6 +1,6 @@
 """DLGS's update on CPU in its two views of a group: laid out in one buffer, and leaf by leaf.
 
-`engine.lay_out_by_default` lays a group out on CPU up to `CPU_LAY_OUT_MAX`
+`segmented.lay_out_by_default` lays a group out on CPU up to `CPU_LAY_OUT_MAX`
 values; this is the measurement behind that size. For each model's leaf
 shapes, DLGS's update (one group per default bucket, density 0.01, one worker)
 is compiled in both views, and as the rule chooses per bucket, and timed in
@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 
 import dlgs_jax
-from dlgs_jax.compress import engine
+from dlgs_jax.compress import segmented
 from dlgs_jax.workload import models
 
 DENSITY = 0.01
@@ -42,18 +42,18 @@ def noise(model: str):
 
 
 def compiled(tx, grads, laid_out):
-  """``tx.update`` compiled in one view (None: as `engine.lay_out_by_default` chooses per
+  """``tx.update`` compiled in one view (None: as `segmented.lay_out_by_default` chooses per
   group), its compile seconds, and an exact and a reuse state."""
-  default_view = engine.lay_out_by_default
+  default_view = segmented.lay_out_by_default
   if laid_out is not None:
-    engine.lay_out_by_default = lambda *_: laid_out
+    segmented.lay_out_by_default = lambda *_: laid_out
   try:
     exact = tx.init(grads)
     start = time.perf_counter()
     update = jax.jit(tx.update).lower(grads, exact).compile()
     seconds = time.perf_counter() - start
   finally:
-    engine.lay_out_by_default = default_view
+    segmented.lay_out_by_default = default_view
   reuse = exact
   for _ in range(3):  # step 0 is exact; steps 1-3 reuse (every 10 steps)
     _, reuse = update(grads, reuse)
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
       "machine": {"backend": jax.default_backend(), "cpus": os.cpu_count(),
                   "processor": platform.processor() or platform.machine(),
                   "jax": jax.__version__},
-      "density": DENSITY, "cpu_lay_out_max": engine.CPU_LAY_OUT_MAX, "rows": rows,
+      "density": DENSITY, "cpu_lay_out_max": segmented.CPU_LAY_OUT_MAX, "rows": rows,
       "table": text}, indent=1) + "\n")
   return 0
 

@@ -7,8 +7,8 @@ sorts and top-k calls, loops, and the kernels a step launches. DLGS runs under
 the paper's rule (``FixedReuse(10)``) and the default (``AdaptedReuse``), with
 every leaf in one group and with the default buckets, in both views of a
 group's values: laid out in one buffer (what accelerators run,
-`engine.lay_out_by_default`) and leaf by leaf (what CPUs run for groups
-of more than `engine.CPU_LAY_OUT_MAX` values). On this
+`segmented.lay_out_by_default`) and leaf by leaf (what CPUs run for groups
+of more than `segmented.CPU_LAY_OUT_MAX` values). On this
 backend the laid-out program is XLA:CPU's, so its counts say how many kernels
 the passes take, not what a GPU's fusion makes of them.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 
 import dlgs_jax
-from dlgs_jax.compress import engine, grouping
+from dlgs_jax.compress import engine, grouping, segmented
 from dlgs_jax.profiling import programs
 from dlgs_jax.workload import models
 
@@ -56,18 +56,18 @@ def transforms(params) -> dict:
 def measure(model: str, only=None) -> list[dict]:
   params = models.param_shapes(model)
   out = []
-  default_view = engine.lay_out_by_default
+  default_view = segmented.lay_out_by_default
   for label, (tx, laid_out) in transforms(params).items():
     if only and not any(word in label for word in only):
       continue
-    engine.lay_out_by_default = (lambda *_, v=laid_out: v) if laid_out is not None else default_view
+    segmented.lay_out_by_default = (lambda *_, v=laid_out: v) if laid_out is not None else default_view
     try:
       state = jax.eval_shape(tx.init, params)
       start = time.perf_counter()
       compiled = jax.jit(tx.update).lower(params, state).compile()
       seconds = time.perf_counter() - start
     finally:
-      engine.lay_out_by_default = default_view
+      segmented.lay_out_by_default = default_view
     row = {"model": model, "method": label, "compile_s": round(seconds, 1),
            **programs.count_hlo(compiled.as_text())}
     print(f"{model:9s} {label:38s} compile {seconds:6.1f} s  cond {row['conditionals']}  "

@@ -225,24 +225,6 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
   return out
 
 
-# On CPU a laid-out group costs a copy of its values every step, which XLA:CPU
-# allocates afresh. Up to this many values the copy costs less than the few
-# kernels per leaf it saves, and the update compiles in a third to a half of the
-# time; past it (VGG16's large leaves) the leaves are cheaper as they are
-# (`experiments/layout_views.py`).
-CPU_LAY_OUT_MAX = 1 << 21
-
-
-def lay_out_by_default(length: int) -> bool:
-  """Whether selection lays a group of `length` values out in one buffer (`segmented.Values`).
-
-  On accelerators always: one pass over one buffer replaces a few kernels per
-  leaf. On CPU, where a kernel costs little and a pass its bytes, groups of up
-  to `CPU_LAY_OUT_MAX` values.
-  """
-  return jax.default_backend() != "cpu" or length <= CPU_LAY_OUT_MAX
-
-
 # Counting candidates on every stride-th value keeps about this many values of
 # a leaf near k_l in the count: a relative error of ~3%, against the ~9% step
 # between candidates.
@@ -391,7 +373,7 @@ def pick(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
       segs = segmented.segments_of([layout.sizes[leaf] for leaf in leaves])
     capacities = (tuple(ks) if select.kind == "group_topk" else
                   tuple(select.leaf_capacity(layout, leaf) for leaf in leaves))
-    values = segmented.values_of(parts, segs, lay_out_by_default(segs.length))
+    values = segmented.values_of(parts, segs, segmented.lay_out_by_default(segs.length))
     if select.kind == "threshold":
       found, words, group_exact = step_thresholds(
           select, layout, leaves, values, jnp.stack([previous[leaf] for leaf in leaves]),

@@ -27,7 +27,7 @@ number of leaves.
 Every exact threshold of the package comes from `exact_thresholds` (DLGS on
 any backend and group size; DGC's fallback through `exact_threshold`).
 Whether a group is laid out is decided by the caller
-(`engine.lay_out_by_default`) through `values_of`.
+(`lay_out_by_default`) through `values_of`.
 """
 
 from __future__ import annotations
@@ -83,6 +83,24 @@ def segments_of(sizes: Sequence[int]) -> Segments:
   if not sizes or min(sizes) < 1:
     raise ValueError(f"segments need at least one leaf and no empty leaf, got sizes {sizes}")
   return Segments(sizes)
+
+
+# On CPU a laid-out group costs a copy of its values every step, which XLA:CPU
+# allocates afresh. Up to this many values the copy costs less than the few
+# kernels per leaf it saves, and the update compiles in a third to a half of the
+# time; past it (VGG16's large leaves) the leaves are cheaper as they are
+# (`experiments/layout_views.py`).
+CPU_LAY_OUT_MAX = 1 << 21
+
+
+def lay_out_by_default(length: int) -> bool:
+  """Whether selection lays a group of `length` values out in one buffer (`Values`).
+
+  On accelerators always: one pass over one buffer replaces a few kernels per
+  leaf. On CPU, where a kernel costs little and a pass its bytes, groups of up
+  to `CPU_LAY_OUT_MAX` values.
+  """
+  return jax.default_backend() != "cpu" or length <= CPU_LAY_OUT_MAX
 
 
 def lay_out(leaves: Sequence[jax.Array], segs: Segments) -> jax.Array:
@@ -347,7 +365,7 @@ class Values:
 
   Both give the same words, samples and values. The buffer makes each pass
   one kernel over all leaves (accelerators, and groups of up to
-  `engine.CPU_LAY_OUT_MAX` values on CPU); leaf by leaf avoids writing a copy
+  `CPU_LAY_OUT_MAX` values on CPU); leaf by leaf avoids writing a copy
   of the group, which XLA:CPU allocates afresh every step, and which for large
   groups costs more than the passes themselves (experiments/performance_notes.md).
   """
@@ -481,8 +499,9 @@ def exact_threshold(x: jax.Array, k: int) -> jax.Array:
     x: any-shaped array.
     k: 1 <= k <= x.size.
   """
-  size = int(np.prod(x.shape, dtype=np.int64))
-  return exact_thresholds(values_of([x], segments_of([size]), False), [k], [False])[0]
+  segs = segments_of([int(np.prod(x.shape, dtype=np.int64))])
+  return exact_thresholds(values_of([x], segs, lay_out_by_default(segs.length)), [k],
+                          [False])[0]
 
 
 def _int32(numbers: Sequence[int]) -> jax.Array:

@@ -180,8 +180,8 @@ def test_a_zero_leaf_that_fills_past_its_buffer_still_recomputes():
 
 def test_on_cpu_a_group_is_laid_out_up_to_its_size_limit_and_kept_leaf_by_leaf_past_it():
   assert jax.default_backend() == "cpu"
-  limit = engine.CPU_LAY_OUT_MAX
-  assert engine.lay_out_by_default(limit) and not engine.lay_out_by_default(limit + 1)
+  limit = segmented.CPU_LAY_OUT_MAX
+  assert segmented.lay_out_by_default(limit) and not segmented.lay_out_by_default(limit + 1)
   # `pick` asks per group, by the group's padded length: a small bucket beside a
   # large one is laid out, the large one is not.
   tree = {"big": jax.ShapeDtypeStruct((limit + 1,), jnp.float32),

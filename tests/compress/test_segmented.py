@@ -240,7 +240,7 @@ def test_the_transform_gives_the_same_updates_in_both_views(monkeypatch, candida
   steps = [random_grads(params, 2, rng, scale=s) for s in (1.0, 1.0, 0.1, 1.0, 5.0)]
   results = []
   for laid_out in (False, True):
-    monkeypatch.setattr(engine, "lay_out_by_default", lambda *_, v=laid_out: v)
+    monkeypatch.setattr(segmented, "lay_out_by_default", lambda *_, v=laid_out: v)
     rule = (dlgs_jax.FixedReuse(3) if refresh is None else dlgs_jax.RefreshReuse(3, refresh)
             if candidates == 1 else dlgs_jax.AdaptedReuse(3, refresh, candidates))
     tx = dlgs_jax.dlgs(0.05, axis_name="data", thresholds=rule, groups=[["a", "b", "c"]])
@@ -257,7 +257,7 @@ def test_a_groups_selection_has_the_same_conditionals_for_any_number_of_leaves(
   """Selection batched over a group: one conditional (the group's refresh;
   large leaves kept leaf by leaf add the sampled bound's fallback), for 3
   leaves or 30, and no sort in either view."""
-  monkeypatch.setattr(engine, "lay_out_by_default", lambda *_: laid_out)
+  monkeypatch.setattr(segmented, "lay_out_by_default", lambda *_: laid_out)
   counts = []
   for leaves in (3, 30):
     params = {f"w{i:02d}": jnp.zeros((64, 40 + i)) for i in range(leaves)}
@@ -300,7 +300,7 @@ def test_a_groups_program_holds_its_table_of_leaf_numbers_once(monkeypatch, laid
   """Every pass that spreads per-leaf numbers over words indexes one constant
   table; a table per pass put 37 copies of ResNet-50's (3 MB each) into one
   update."""
-  monkeypatch.setattr(engine, "lay_out_by_default", lambda *_: laid_out)
+  monkeypatch.setattr(segmented, "lay_out_by_default", lambda *_: laid_out)
   params = {f"w{i:02d}": jnp.zeros((64, 40 + i)) for i in range(30)}
   layout = engine.make_layout(params, None, None, single_group=True)
   select = engine.Selection("threshold", 0.01, rule=rules.AdaptedReuse())
@@ -411,13 +411,13 @@ def test_a_top_k_keeps_every_value_above_its_threshold_whatever_the_ties():
     for laid_out in (True, False):
       layout = engine.make_layout(params, None, None, single_group=single)
       select = engine.Selection(kind, 0.1)
-      engine_view = engine.lay_out_by_default
-      engine.lay_out_by_default = lambda *_, v=laid_out: v
+      engine_view = segmented.lay_out_by_default
+      segmented.lay_out_by_default = lambda *_, v=laid_out: v
       try:
         _, picked, _ = jax.jit(lambda ls: engine.pick(select, layout, ls))(
             [jnp.asarray(tied), jnp.asarray(other)])
       finally:
-        engine.lay_out_by_default = engine_view
+        segmented.lay_out_by_default = engine_view
       arrays = [tied, other]
       for group, members in zip(picked, layout.groups):
         parts = ([np.concatenate([arrays[m] for m in members])] if single

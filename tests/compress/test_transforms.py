@@ -680,16 +680,16 @@ def test_a_groups_collective_waits_for_its_own_gradients_only(name):
 @pytest.mark.parametrize("name", ["dlgs", "dlgs_grouped", "dlgs_gtopk", "dlgs_bf16_wire"])
 def test_dlgs_laid_out_in_one_buffer_matches_leaf_by_leaf(monkeypatch, name):
   """Accelerators lay each group out in one buffer and send positions in it; CPU keeps
-  the leaves as they are. Updates, residuals and thresholds agree bit for bit, over
-  exact and reused steps and a step skipped for a NaN."""
-  from dlgs_jax.compress import engine  # pylint: disable=g-import-not-at-top
+  large groups' leaves as they are. Updates, residuals and thresholds agree bit for bit,
+  over exact and reused steps and a step skipped for a NaN."""
+  from dlgs_jax.compress import segmented  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(5)
   steps = [random_grads(PARAMS, W, rng) for _ in range(5)]
   steps[3] = jax.tree_util.tree_map(lambda x: x.copy(), steps[3])
   steps[3]["conv"]["kernel"][2, 0, 0, 0, 1] = np.nan
   results = []
   for laid_out in (True, False):
-    monkeypatch.setattr(engine, "lay_out_by_default", lambda *_, v=laid_out: v)
+    monkeypatch.setattr(segmented, "lay_out_by_default", lambda *_, v=laid_out: v)
     tx = (methods(0.1)[name] if name != "dlgs_bf16_wire" else dlgs_jax.dlgs(
         0.1, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), wire_dtype="bfloat16"))
     results.append(run_steps(tx, PARAMS, steps, W))

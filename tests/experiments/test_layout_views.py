@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from dlgs_jax.compress import engine
+from dlgs_jax.compress import segmented
 from tests.experiments.test_experiments import load
 
 
@@ -19,6 +19,6 @@ def test_both_views_and_the_choice_are_timed_for_each_rule_and_step():
     assert min(r["laid_out_ms"], r["leaf_by_leaf_ms"], r["chosen_ms"]) > 0
     assert r["laid_over_leaf"] > 0 and r["chosen_over_best"] > 0
     assert min(r["laid_out_compile_s"], r["leaf_by_leaf_compile_s"], r["chosen_compile_s"]) > 0
-  assert engine.lay_out_by_default(rows[0]["values"])  # this tree is laid out on CPU
+  assert segmented.lay_out_by_default(rows[0]["values"])  # this tree is laid out on CPU
   table = views.table(rows).splitlines()
   assert len(table) == 2 + 4 and table[2].startswith("| tiny | 6,467 | paper | reuse |")
