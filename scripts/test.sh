@@ -11,10 +11,10 @@
 #   DLGS_TEST_CPU_DIR=/tmp/cpu bash scripts/test.sh -p tests.cpu_time
 #   .venv/bin/python -m tests.cpu_time /tmp/cpu
 #
-# One pytest worker per core and one more, at most 4 (pytest-xdist): the suite
-# is mostly compilation, which runs on one core, and its multi-process tests
-# leave a core idle while one process compiles or waits for a step; the extra
-# worker fills it. The emulated-cluster tests stay on one worker together.
+# One pytest worker per core, at most 4 (pytest-xdist): the suite is mostly
+# compilation, which runs on one core, and its multi-process tests leave a core
+# idle while one process compiles. The emulated-cluster tests stay on one worker
+# together.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 lane=()
@@ -23,9 +23,7 @@ if [ "${1:-}" = "--fast" ]; then
   lane=(-m "not multiprocess and not cluster and not slow")
 fi
 bash scripts/setup_env.sh test || exit 1
-workers=$(( $(nproc) + 1 ))
-.venv/bin/python -m pytest -q -n "$(( workers < 4 ? workers : 4 ))" --dist loadgroup \
-  "${lane[@]}" "$@"
+.venv/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup "${lane[@]}" "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests for this selection"
