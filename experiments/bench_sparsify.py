@@ -202,9 +202,10 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool
   A model of `n` leaves (3x3x32x32 kernels and their biases); each transform
   with its default grouping (`grouping.size_buckets`) and, for comparison,
   with one group per leaf. Compiled for this backend, not timed. On CPU DLGS
-  keeps a group's leaves as they are (`segmented.lay_out_by_default`), so its
-  kernels grow with the leaves there; "dlgs laid out" compiles the view an
-  accelerator takes, one buffer per group (left out with `laid_out` False).
+  keeps the leaves of groups over `segmented.CPU_LAY_OUT_MAX` values as they are
+  (`segmented.lay_out_by_default`), so its kernels grow with the leaves there;
+  "dlgs laid out" compiles the view an accelerator takes, one buffer per group
+  (left out with `laid_out` False).
   """
   rows = []
   for n in leaf_counts:
@@ -227,12 +228,8 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool
 
 def _laid_out_counts(tx, params) -> dict:
   """`programs.program_counts` of ``tx.update`` with every group laid out in one buffer."""
-  default = segmented.lay_out_by_default
-  segmented.lay_out_by_default = lambda *_: True
-  try:
+  with segmented.forced_view(True):
     return programs.program_counts(tx.update, params, tx.init(params))
-  finally:
-    segmented.lay_out_by_default = default
 
 
 def format_grouping(rows) -> str:

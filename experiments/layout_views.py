@@ -44,16 +44,11 @@ def noise(model: str):
 def compiled(tx, grads, laid_out):
   """``tx.update`` compiled in one view (None: as `segmented.lay_out_by_default` chooses per
   group), its compile seconds, and an exact and a reuse state."""
-  default_view = segmented.lay_out_by_default
-  if laid_out is not None:
-    segmented.lay_out_by_default = lambda *_: laid_out
-  try:
+  with segmented.forced_view(laid_out):
     exact = tx.init(grads)
     start = time.perf_counter()
     update = jax.jit(tx.update).lower(grads, exact).compile()
     seconds = time.perf_counter() - start
-  finally:
-    segmented.lay_out_by_default = default_view
   reuse = exact
   for _ in range(3):  # step 0 is exact; steps 1-3 reuse (every 10 steps)
     _, reuse = update(grads, reuse)

@@ -56,18 +56,14 @@ def transforms(params) -> dict:
 def measure(model: str, only=None) -> list[dict]:
   params = models.param_shapes(model)
   out = []
-  default_view = segmented.lay_out_by_default
   for label, (tx, laid_out) in transforms(params).items():
     if only and not any(word in label for word in only):
       continue
-    segmented.lay_out_by_default = (lambda *_, v=laid_out: v) if laid_out is not None else default_view
-    try:
+    with segmented.forced_view(laid_out):
       state = jax.eval_shape(tx.init, params)
       start = time.perf_counter()
       compiled = jax.jit(tx.update).lower(params, state).compile()
       seconds = time.perf_counter() - start
-    finally:
-      segmented.lay_out_by_default = default_view
     row = {"model": model, "method": label, "compile_s": round(seconds, 1),
            **programs.count_hlo(compiled.as_text())}
     print(f"{model:9s} {label:38s} compile {seconds:6.1f} s  cond {row['conditionals']}  "

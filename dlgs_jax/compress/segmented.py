@@ -32,6 +32,7 @@ Whether a group is laid out is decided by the caller
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -101,6 +102,23 @@ def lay_out_by_default(length: int) -> bool:
   to `CPU_LAY_OUT_MAX` values.
   """
   return jax.default_backend() != "cpu" or length <= CPU_LAY_OUT_MAX
+
+
+@contextlib.contextmanager
+def forced_view(laid_out: Optional[bool]):
+  """Within the block, every group is laid out (True) or kept leaf by leaf (False).
+
+  For measurements that compare the two views of the same program; None keeps
+  `lay_out_by_default`'s choice. Programs traced inside the block keep their view.
+  """
+  global lay_out_by_default
+  chosen = lay_out_by_default
+  if laid_out is not None:
+    lay_out_by_default = lambda *_: laid_out
+  try:
+    yield
+  finally:
+    lay_out_by_default = chosen
 
 
 def lay_out(leaves: Sequence[jax.Array], segs: Segments) -> jax.Array:

@@ -194,3 +194,17 @@ def test_on_cpu_a_group_is_laid_out_up_to_its_size_limit_and_kept_leaf_by_leaf_p
   big, small = picked
   assert big.values.flat is None and big.values.leaves is not None
   assert small.values.flat is not None and small.values.flat.shape == (96,)
+
+
+def test_a_forced_view_holds_inside_its_block_only():
+  with segmented.forced_view(False):
+    assert not segmented.lay_out_by_default(96)
+    with segmented.forced_view(None):  # None: the rule's own choice, here the forced one
+      assert not segmented.lay_out_by_default(96)
+  with segmented.forced_view(True):
+    assert segmented.lay_out_by_default(segmented.CPU_LAY_OUT_MAX + 1)
+  assert segmented.lay_out_by_default(96)
+  assert not segmented.lay_out_by_default(segmented.CPU_LAY_OUT_MAX + 1)
+  with pytest.raises(RuntimeError), segmented.forced_view(False):
+    raise RuntimeError("restored on the way out")
+  assert segmented.lay_out_by_default(96)

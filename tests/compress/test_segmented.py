@@ -411,13 +411,9 @@ def test_a_top_k_keeps_every_value_above_its_threshold_whatever_the_ties():
     for laid_out in (True, False):
       layout = engine.make_layout(params, None, None, single_group=single)
       select = engine.Selection(kind, 0.1)
-      engine_view = segmented.lay_out_by_default
-      segmented.lay_out_by_default = lambda *_, v=laid_out: v
-      try:
+      with segmented.forced_view(laid_out):
         _, picked, _ = jax.jit(lambda ls: engine.pick(select, layout, ls))(
             [jnp.asarray(tied), jnp.asarray(other)])
-      finally:
-        segmented.lay_out_by_default = engine_view
       arrays = [tied, other]
       for group, members in zip(picked, layout.groups):
         parts = ([np.concatenate([arrays[m] for m in members])] if single
