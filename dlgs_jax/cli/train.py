@@ -149,6 +149,8 @@ FLAGS = (
     Flag("--node-size", "processes", "node_size", "devices per node of the two-level exchange: "
          "consecutive processes' devices form a node (e.g. one process per GPU); default: "
          "each process is a node", int),
+    Flag("--simulate-workers", "processes", "simulate_workers", "run N workers on one device "
+         "under jax.vmap: the numerics, bytes and checkpoints of N devices (one process)", int),
     Flag("--workdir", "checkpoint", "workdir", "where the run writes"),
     Flag("--resume", "checkpoint", "resume", "continue from the latest checkpoint in --workdir; "
          "more --epochs or --steps extend a run whose steps taken keep their learning rate",

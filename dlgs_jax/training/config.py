@@ -138,6 +138,9 @@ class ProcessConfig:
       processes' devices form a node, e.g. one process per GPU); None: each
       process is a node. 1, or every device in one node, runs flat.
     init_timeout: multi-process: seconds to wait for every process to join.
+    simulate_workers: run this many workers on one device under ``jax.vmap``
+      (one process; `sharded_step.data_parallel`), with the numerics and
+      checkpoints of as many devices; None: one worker per device.
   """
   workers: Optional[int] = None
   coordinator: Optional[str] = None
@@ -147,6 +150,7 @@ class ProcessConfig:
   flat: bool = False
   node_size: Optional[int] = None
   init_timeout: int = INIT_TIMEOUT
+  simulate_workers: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +188,7 @@ FREE_OPTIONS = frozenset({
     "checkpoint.nonfinite_limit",
     "processes.workers", "processes.coordinator", "processes.num_processes",
     "processes.process_id", "processes.local_devices", "processes.flat", "processes.node_size",
-    "processes.init_timeout",
+    "processes.init_timeout", "processes.simulate_workers",
     "data.eval_batch_size",
     "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
     "plan.latency"})
@@ -340,13 +344,34 @@ def _validate_counts(config: RunConfig) -> None:
                              ("workers", processes.workers, 1),
                              ("num_processes", processes.num_processes, 1),
                              ("process_id", processes.process_id, 0),
-                             ("node_size", processes.node_size, 1)):
+                             ("node_size", processes.node_size, 1),
+                             ("simulate_workers", processes.simulate_workers, 1)):
     if value is not None:
       _check_int(option, value, low)
+  _check_simulated(config)
   _check_int("init_timeout", processes.init_timeout, 1)
   if processes.local_devices is not None:
     _check_int("local_devices", processes.local_devices, 1, 1024)
   _check_int("reuse_every", config.method.reuse_every, 1)
+
+
+def _check_simulated(config: RunConfig) -> None:
+  """Refuses settings that place workers on devices or processes beside simulated workers."""
+  processes = config.processes
+  if processes.simulate_workers is None:
+    return
+  clashes = [f"{name} {value}" for name, value in (
+      ("workers", processes.workers), ("node_size", processes.node_size),
+      ("num_processes", processes.num_processes if processes.num_processes != 1 else None),
+      ("coordinator", processes.coordinator)) if value is not None]
+  if clashes:
+    raise ConfigError("simulate_workers", processes.simulate_workers,
+                      f"runs every worker on one device of one process: drop {clashes[0]}, "
+                      f"or drop simulate_workers to use devices and processes as workers")
+  if config.plan.planner != "none" and not config.plan.plan:
+    raise ConfigError("simulate_workers", processes.simulate_workers,
+                      f"has no network the planner {config.plan.planner!r} could measure or "
+                      f"profile on one device: give a plan file (dlgs-plan), or planner none")
 
 
 def _validate_schedule_and_plan(config: RunConfig) -> None:

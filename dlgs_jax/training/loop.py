@@ -140,7 +140,9 @@ def _log_start(run: Run) -> None:
   density = config.method.effective_density()
   run.log(f"{config.model.name} ({num_params:,} parameters), {run.dataset_name} "
           f"({len(run.train_set.labels):,} train / {len(run.test_set.labels):,} test), "
-          f"{run.workers} workers ({jax.process_count()} processes) x batch "
+          f"{run.workers} workers ("
+          + ("simulated on one device" if config.processes.simulate_workers else
+             f"{jax.process_count()} processes") + ") x batch "
           f"{config.data.batch_size}; {config.method.name}"
           + (f" density {density:g}" if density is not None else "")
           + (f" (warm-up {run.warmup} steps)" if run.warmup else "")

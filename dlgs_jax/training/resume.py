@@ -152,7 +152,7 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
   run.state = state._replace(
       params=parallel.replicate(restored.params, run.mesh),
       batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
-      opt_state=parallel.place_rows(opt_state, run.mesh),
+      opt_state=parallel.place_rows(opt_state, run.mesh, run.workers),
       step=parallel.replicate(restored.step, run.mesh))
   shapes = ("" if exchange == saved_exchange == "flat"
             else f" ({saved_exchange} -> {exchange})")

@@ -132,6 +132,8 @@ class Run:
 
 
 def _mesh_and_data(config: RunConfig):
+  import jax
+
   from dlgs_jax.workload import models, parallel
 
   try:
@@ -143,9 +145,13 @@ def _mesh_and_data(config: RunConfig):
   except ValueError as e:
     raise RunError(f"data: {e}") from None
   node_size, note = node_size_of(config)
+  simulated = config.processes.simulate_workers
+  if simulated is not None and jax.process_count() > 1:
+    raise RunError(f"--simulate-workers {simulated}: runs every worker in one process, this run "
+                   f"has {jax.process_count()}: start one process, or drop --simulate-workers")
   try:
     mesh = (parallel.node_mesh(node_size) if node_size is not None
-            else parallel.data_mesh(config.processes.workers))
+            else parallel.data_mesh(1 if simulated else config.processes.workers))
   except ValueError as e:
     option = "--node-size" if config.processes.node_size is not None else "--workers"
     raise RunError(f"{option}: {e}") from None
@@ -166,7 +172,7 @@ def node_size_of(config: RunConfig) -> tuple[Optional[int], Optional[str]]:
   processes, local = jax.process_count(), jax.local_device_count()
   total, given = processes * local, config.processes.node_size
   every_device = config.processes.workers in (None, total)
-  if config.processes.flat:
+  if config.processes.flat or config.processes.simulate_workers is not None:
     return None, None
   if given is None:
     return (local if processes > 1 and local > 1 and every_device else None), None
@@ -192,7 +198,8 @@ def build_run(config: RunConfig) -> Run:
 
   train_set, test_set, dataset_name, pad, mesh, note = _mesh_and_data(config)
   two_level = len(mesh.axis_names) == 2
-  axis, workers = parallel.data_axes(mesh), int(mesh.devices.size)
+  simulated = config.processes.simulate_workers
+  axis, workers = parallel.data_axes(mesh), simulated or int(mesh.devices.size)
   model, _ = models.create_model(config.model.name, num_classes=train_set.num_classes,
                                  bn_axis_name=axis if config.model.sync_bn else None)
   try:
@@ -227,13 +234,15 @@ def build_run(config: RunConfig) -> Run:
   return Run(
       config=config, workdir=Path(config.checkpoint.workdir), train_set=train_set,
       test_set=test_set, dataset_name=dataset_name, mesh=mesh, workers=workers,
-      local_workers=[i for i, d in enumerate(mesh.devices.flat)
-                     if d.process_index == jax.process_index()],
+      local_workers=(list(range(workers)) if simulated else
+                     [i for i, d in enumerate(mesh.devices.flat)
+                      if d.process_index == jax.process_index()]),
       steps_per_epoch=spe, total_steps=total_steps, epochs=math.ceil(total_steps / spe),
       schedule=schedule, plan=plan, order=order, warmup=warmup,
-      state=training.train_state_from_variables(variables, tx, mesh),
+      state=training.train_state_from_variables(variables, tx, mesh, simulated),
       step_fn=training.make_train_step(model, tx, mesh, augment=config.data.augment, pad=pad,
-                                       mean=train_set.mean, std=train_set.std, seed=config.seed),
+                                       mean=train_set.mean, std=train_set.std, seed=config.seed,
+                                       simulate_workers=simulated),
       evaluate=training.make_eval_fn(model, train_set.mean, train_set.std),
       fingerprint=training.make_fingerprint_fn(mesh), leader=leader,
       optimizer_for=optimizer_for)

@@ -8,7 +8,7 @@ and the transforms' states (error-feedback residuals) are per worker (see
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -29,7 +29,7 @@ class TrainState(NamedTuple):
 
 
 def train_state_from_variables(variables: dict, tx: optax.GradientTransformation,
-                               mesh: Mesh) -> TrainState:
+                               mesh: Mesh, workers: Optional[int] = None) -> TrainState:
   """Places `variables` (from `init_variables`) and `tx`'s initial state on `mesh`.
 
   Args:
@@ -37,12 +37,14 @@ def train_state_from_variables(variables: dict, tx: optax.GradientTransformation
     tx: the gradient transformation; this library's transform states are
       placed per worker, the rest replicated (`parallel.place_state`).
     mesh: the 1-D data mesh.
+    workers: workers simulated on the mesh's one device (None: one per device).
 
   Returns:
     The `TrainState` at step 0.
   """
   return TrainState(*sharded_step.initial_state(tx, variables["params"],
-                                                 variables.get("batch_stats", {}), mesh))
+                                                 variables.get("batch_stats", {}), mesh,
+                                                 workers))
 
 
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample: np.ndarray,
@@ -53,7 +55,8 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample:
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
                     *, augment: bool = True, pad: int = 4, mean=data.CIFAR10_MEAN,
-                    std=data.CIFAR10_STD, seed: int = 0) -> Callable:
+                    std=data.CIFAR10_STD, seed: int = 0,
+                    simulate_workers: Optional[int] = None) -> Callable:
   """Builds ``step(state, images, labels) -> (state, metrics)`` on `sharded_step.data_parallel`.
 
   Args:
@@ -65,6 +68,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     pad: crop padding in pixels.
     mean, std: per-channel normalisation (`data.normalize`).
     seed: augmentation seed.
+    simulate_workers: that many workers on the mesh's one device
+      (`sharded_step.data_parallel`); None: one worker per device.
 
   Returns:
     A `TrainStep`, called as a function. `images` (uint8) and `labels` are per-worker arrays of
@@ -87,7 +92,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 
   stepper = sharded_step.data_parallel(
       loss_fn if augment else (lambda p, s, b: loss_fn(p, s, b)), tx, mesh,
-      model_state=True, has_aux=True, seed=seed if augment else None)
+      model_state=True, has_aux=True, seed=seed if augment else None,
+      simulate_workers=simulate_workers)
 
   return TrainStep(stepper)
 

@@ -99,9 +99,13 @@ def _from_host(x: Any, sharding: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def stack_per_worker(tree: Any, mesh: Mesh) -> Any:
-  """Gives every worker its own copy of `tree` (leading worker axis, sharded)."""
-  workers = mesh.devices.size
+def stack_per_worker(tree: Any, mesh: Mesh, workers: Optional[int] = None) -> Any:
+  """Gives every worker its own copy of `tree` (leading worker axis, sharded).
+
+  `workers`: the worker count where it is not the mesh's devices (workers
+  simulated on one device, `sharded_step.data_parallel`'s ``simulate_workers``).
+  """
+  workers = mesh.devices.size if workers is None else workers
   sharding = per_worker_sharding(mesh)
 
   def place(x):
@@ -219,24 +223,29 @@ def state_specs(opt_state: Any, axis_name) -> Any:
                          opt_state)
 
 
-def place_state(opt_state: Any, mesh: Mesh) -> Any:
-  """Places one worker's optimizer state on `mesh`: per-worker parts stacked, the rest replicated."""
-  return map_state(lambda x: stack_per_worker(x, mesh), lambda node: replicate(node, mesh),
-                   opt_state)
+def place_state(opt_state: Any, mesh: Mesh, workers: Optional[int] = None) -> Any:
+  """Places one worker's optimizer state on `mesh`: per-worker parts stacked, the rest replicated.
+
+  `workers` as in `stack_per_worker` (default: the mesh's devices).
+  """
+  return map_state(lambda x: stack_per_worker(x, mesh, workers),
+                   lambda node: replicate(node, mesh), opt_state)
 
 
-def place_rows(opt_state: Any, mesh: Mesh) -> Any:
+def place_rows(opt_state: Any, mesh: Mesh, workers: Optional[int] = None) -> Any:
   """Places an optimizer state whose per-worker parts hold every worker's row (host arrays).
 
   Unlike `place_state`, each worker gets its own row ``x[w]`` (e.g. residual
-  slices that differ per device); the rest is replicated.
+  slices that differ per device); the rest is replicated. `workers` as in
+  `stack_per_worker`.
   """
   sharding = per_worker_sharding(mesh)
+  workers = mesh.devices.size if workers is None else workers
 
   def rows(x):
-    if np.shape(x)[:1] != (mesh.devices.size,):
+    if np.shape(x)[:1] != (workers,):
       raise ValueError(f"a per-worker leaf of shape {np.shape(x)} has no row per worker "
-                       f"({mesh.devices.size})")
+                       f"({workers})")
     return _from_host(x, sharding)
 
   return map_state(rows, lambda node: replicate(node, mesh), opt_state)

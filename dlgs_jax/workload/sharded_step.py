@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
@@ -82,6 +83,7 @@ def data_parallel(
     has_aux: bool = False,
     seed: Optional[int] = None,
     micro_batches: int = 1,
+    simulate_workers: Optional[int] = None,
 ) -> DataParallel:
   """Builds a data-parallel training step with gradient communication by `tx`.
 
@@ -118,6 +120,13 @@ def data_parallel(
     seed: gives the loss a per-step, per-worker ``key`` from this seed.
     micro_batches: slices of each worker's batch whose gradients are summed
       before one communication (gradient accumulation; the compressor runs once).
+    simulate_workers: run this many workers on the mesh's one device, under
+      ``jax.vmap`` over the data axis instead of `jax.shard_map` (the transforms'
+      collectives run over the vmapped axis): P workers' numerics and state on
+      one accelerator, e.g. to study a worker count no cluster at hand has.
+      Per-worker states and batches keep their leading axis of P rows, so a
+      checkpoint moves between simulated and real workers. None: one worker
+      per device.
 
   Returns:
     A `DataParallel`. ``step(state, batch)``: `batch` is any pytree of arrays
@@ -135,9 +144,12 @@ def data_parallel(
       worker's own gradient (the optimizer ahead of the compressor).
   """
   axis_name = common.check_axis_name(parallel.data_axes(mesh, axis_name))
-  sync_every = CPU_SYNC_EVERY if mesh.devices.flat[0].platform == "cpu" else None
   if not set(common.axes_of(axis_name)) <= set(mesh.axis_names):
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+  workers = _check_simulated(simulate_workers, mesh, axis_name)
+  # Simulated workers exchange inside one program on one device: no collective to drift.
+  sync_every = (CPU_SYNC_EVERY if mesh.devices.flat[0].platform == "cpu"
+                and simulate_workers is None else None)
   if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
     raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
   if not callable(loss_fn):
@@ -152,7 +164,7 @@ def data_parallel(
       graph, params, state = _split_module(params, model_state or state is not None)
       nnx_graph[:] = [graph]
       loss = _Loss(_nnx_loss(loss_fn, graph, has_aux, seed), True, has_aux, seed)
-    return initial_state(tx, params, state, mesh)
+    return initial_state(tx, params, state, mesh, workers)
 
   def module(state: StepState):
     if not nnx_graph:
@@ -167,7 +179,9 @@ def data_parallel(
     if seed is not None:
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state.step),
                                lax.axis_index(axis_name))
-    varying = lax.pcast(state.params, common.axes_of(axis_name), to="varying")
+    # Under vmap the gradient of unmapped parameters is already each worker's own.
+    varying = (state.params if simulate_workers else
+               lax.pcast(state.params, common.axes_of(axis_name), to="varying"))
     grads, value, new_model_state, aux = _accumulate(loss, varying, state.model_state, batch,
                                                      key, micro_batches, axis_name)
     updates, opt_state = tx.update(grads, parallel.squeeze_state(state.opt_state), state.params)
@@ -186,9 +200,10 @@ def data_parallel(
                       parallel.state_specs(state.opt_state, axis_name), PartitionSpec())
     key = jax.tree_util.tree_structure(specs)
     if key not in jitted:
-      mapped = jax.shard_map(local_step, mesh=mesh, in_specs=(specs, PartitionSpec(axis_name)),
-                             out_specs=(specs, PartitionSpec()))
-      jitted[key] = jax.jit(_batch_checked(mapped, mesh, axis_name), donate_argnums=0)
+      mapped = (_vmapped(local_step, specs, workers, axis_name) if simulate_workers else
+                jax.shard_map(local_step, mesh=mesh, in_specs=(specs, PartitionSpec(axis_name)),
+                              out_specs=(specs, PartitionSpec())))
+      jitted[key] = jax.jit(_batch_checked(mapped, workers), donate_argnums=0)
     return jitted[key]
 
   dispatched = [0]
@@ -207,6 +222,58 @@ def data_parallel(
   return DataParallel(init, step, axis_name,
                       jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)), compile_step,
                       sync_every, module)
+
+
+def _check_simulated(simulate_workers, mesh: Mesh, axis_name) -> int:
+  """The step's worker count: the mesh's devices, or the workers simulated on its one device.
+
+  Raises:
+    ValueError: for a count that is not an integer >= 1, or a mesh of several
+      devices or axes (simulated workers share one device).
+  """
+  if simulate_workers is None:
+    return int(np.prod([mesh.shape[a] for a in common.axes_of(axis_name)]))
+  if (isinstance(simulate_workers, bool) or not isinstance(simulate_workers, numbers.Integral)
+      or simulate_workers < 1):
+    raise ValueError(f"simulate_workers must be an integer >= 1, got {simulate_workers!r}")
+  if mesh.devices.size != 1 or len(mesh.axis_names) != 1:
+    raise ValueError(f"simulate_workers={simulate_workers} runs every worker on one device, but "
+                     f"the mesh has {mesh.devices.size} devices on axes {mesh.axis_names}: give "
+                     f"parallel.data_mesh(1), or drop simulate_workers to use the devices")
+  return int(simulate_workers)
+
+
+def _vmapped(local_step: Callable, specs: StepState, workers: int, axis_name) -> Callable:
+  """`local_step` for `workers` workers under ``jax.vmap(axis_name=...)`` on one device.
+
+  Each worker sees what shard_map would give it: its rows of every per-worker
+  leaf (a leading axis of one for the transforms' states) and of the batch.
+  The replicated results are the same for every worker; worker 0's are kept.
+  """
+  per_worker = lambda spec: spec != PartitionSpec()
+  rows = lambda x: jnp.reshape(x, (workers, x.shape[0] // workers) + x.shape[1:])
+  unrows = lambda x: jnp.reshape(x, (x.shape[0] * x.shape[1],) + x.shape[2:])
+
+  # `specs` is a prefix of the state: each spec covers a subtree.
+  spec_leaves, treedef = jax.tree_util.tree_flatten(
+      specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  axes = [0 if per_worker(spec) else None for spec in spec_leaves]
+  tree_map = jax.tree_util.tree_map
+
+  def mapped(state: StepState, batch):
+    inputs = [tree_map(rows, part) if per_worker(spec) else part
+              for part, spec in zip(treedef.flatten_up_to(state), spec_leaves)]
+
+    def one(inputs, batch):
+      return local_step(treedef.unflatten(inputs), batch)
+
+    new_state, metrics = jax.vmap(one, in_axes=(axes, 0), axis_name=axis_name)(
+        inputs, tree_map(rows, batch))
+    outputs = [tree_map(unrows if per_worker(spec) else (lambda x: x[0]), part)
+               for part, spec in zip(treedef.flatten_up_to(new_state), spec_leaves)]
+    return treedef.unflatten(outputs), tree_map(lambda x: x[0], metrics)
+
+  return mapped
 
 
 def _is_nnx_module(x) -> bool:
@@ -300,8 +367,8 @@ def _nnx_loss(loss_fn: Callable, graph, has_aux: bool, seed) -> Callable:
   return loss if seed is not None else (lambda params, rest, batch: loss(params, rest, batch))
 
 
-def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh
-                  ) -> StepState:
+def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh,
+                  workers: Optional[int] = None) -> StepState:
   """The `StepState` at step 0 on `mesh`: `tx`'s state placed per worker where it is one.
 
   Args:
@@ -309,6 +376,7 @@ def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: M
     params: the parameters, the same in every process.
     model_state: mutable model state, or None for none.
     mesh: the device mesh.
+    workers: workers simulated on the mesh's device (None: one per device).
 
   Raises:
     ValueError: for Linen's whole variables, statistics included, as `params`.
@@ -321,7 +389,7 @@ def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: M
         "variables['batch_stats']), the loss returning (loss, new batch_stats)")
   return StepState(parallel.replicate(params, mesh),
                    parallel.replicate({} if model_state is None else model_state, mesh),
-                   parallel.place_state(tx.init(params), mesh),
+                   parallel.place_state(tx.init(params), mesh, workers),
                    parallel.replicate(np.zeros((), np.int32), mesh))
 
 
@@ -465,15 +533,13 @@ def _accumulate(loss: _Loss, params, model_state, batch, key, micro_batches: int
   return grads, mean(values), model_state, jax.tree_util.tree_map(mean, aux)
 
 
-def _batch_checked(mapped: Callable, mesh: Mesh, axis_name) -> Callable:
+def _batch_checked(mapped: Callable, workers: int) -> Callable:
   """`mapped(state, batch)`, first refusing a batch that does not split over the workers.
 
   shard_map's own error runs to many lines. Under `jax.jit` the check runs while
   tracing: once per batch shape, not on every step. The wrapper keeps the step's
   name, which compile logs and profiles show.
   """
-  workers = int(np.prod([mesh.shape[a] for a in common.axes_of(axis_name)]))
-
   @functools.wraps(mapped)
   def checked(state, batch):
     for leaf in jax.tree_util.tree_leaves(batch):

@@ -279,6 +279,11 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
     (["--candidates", "0"], "--candidates 0 is invalid: must be an integer in [1, 16]"),
     (["--refresh-below", "none", "--candidates", "3"],
      "--candidates 3 is invalid: candidates apply only with refresh_below set"),
+    (["--simulate-workers", "0"], "--simulate-workers 0 is invalid: must be an integer in [1,"),
+    (["--simulate-workers", "4", "--workers", "2"], "--simulate-workers 4 is invalid: runs every "
+     "worker on one device of one process: drop workers 2"),
+    (["--simulate-workers", "4", "--planner", "greedy"], "--simulate-workers 4 is invalid: has "
+     "no network the planner 'greedy' could measure"),
     (["--method", "gtopk", "--wire-dtype", "bfloat16"],
      "--wire-dtype 'bfloat16' is invalid: applies to dense, topk, lags, dlgs, not gtopk"),
     (["--collective", "gtopk", "--wire-dtype", "bfloat16"],
@@ -477,10 +482,13 @@ def test_a_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(t
 
 @pytest.mark.slow
 def test_a_run_resumes_on_another_worker_count_with_its_residuals_redistributed(tmp_path):
+  """2 workers simulated on one device, then 4 devices: the checkpoint of simulated
+  workers is that of as many devices (their numerics: tests/workload/test_sharded_step)."""
   args = [*SMALL, "--density", "0.05", "--steps", "8", "--check-every", "2",
           "--workdir", str(tmp_path)]
-  first = run_cli([*args, "--local-devices", "2", "--stop-after", "4"])
+  first = run_cli([*args, "--simulate-workers", "2", "--stop-after", "4"])
   assert first.returncode == 0, first.stderr[-3000:]
+  assert "2 workers (simulated on one device)" in first.stdout
   more = run_cli([*args, "--local-devices", "4", "--resume"])
   assert more.returncode == 0, more.stderr[-3000:]
   assert ("the checkpoint was written by 2 workers, this run has 4: residuals redistributed "

@@ -266,6 +266,71 @@ def test_bad_arguments_are_refused_before_any_work(kwargs, message):
     dlgs_jax.data_parallel(squared_error, dlgs_jax.dense(axis_name="data"), mesh(), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"simulate_workers": 0}, "simulate_workers must be an integer >= 1, got 0"),
+    ({"simulate_workers": 2.0}, "simulate_workers must be an integer >= 1, got 2.0"),
+    ({"simulate_workers": 4, "on": 4}, r"simulate_workers=4 runs every worker on one device, "
+     r"but the mesh has 4 devices on axes \('data',\): give parallel.data_mesh\(1\)"),
+])
+def test_bad_simulated_workers_are_refused_before_any_work(kwargs, message):
+  devices = kwargs.pop("on", 1)
+  with pytest.raises(ValueError, match=message):
+    dlgs_jax.data_parallel(squared_error, dlgs_jax.dense(axis_name="data"),
+                           dlgs_jax.data_mesh(devices), **kwargs)
+
+
+class NormedNet(nn.Module):
+  """LinenNet without the bias ahead of BatchNorm, whose gradient is rounding noise
+  alone (and so would be selected by chance)."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(8, use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    return nn.Dense(3)(nn.relu(x))
+
+
+@pytest.mark.parametrize("name", ["dlgs", "gtopk", "terngrad"])
+def test_simulated_workers_on_one_device_match_as_many_devices(name):
+  """P workers under vmap on one device: the same batches, keys, BatchNorm statistics,
+  residuals and exchange as P devices, so after 20 steps the same parameters and
+  per-worker states (gTop-k's pairwise rounds and TernGrad's per-worker keys too)."""
+  model = NormedNet()
+  variables = model.init(jax.random.key(0), X[:2], train=False)
+
+  def loss_fn(params, batch_stats, batch, key):
+    x, y = batch
+    x = x + 0.1 * jax.random.normal(key, x.shape)  # a key per step and worker
+    out, updates = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                               mutable=["batch_stats"])
+    return jnp.mean((out - y) ** 2), (updates["batch_stats"], {"first": out[0, 0]})
+
+  ends = []
+  for m, simulated in ((mesh(), None), (dlgs_jax.data_mesh(1), W)):
+    tx = optax.chain(COMPRESSORS[name](), optax.sgd(0.05, momentum=0.9))
+    dp = dlgs_jax.data_parallel(loss_fn, tx, m, model_state=True, has_aux=True, seed=3,
+                                simulate_workers=simulated)
+    state = dp.init(variables["params"], variables["batch_stats"])
+    assert dp.sync_every is None or simulated is None
+    history = []
+    for step in range(20):
+      rows = np.roll(np.arange(len(X)), 5 * step)
+      state, metrics = dp.step(state, jax.device_put((X[rows], Y[rows]), dp.batch_sharding))
+      history.append({k: float(v) for k, v in metrics.items()})
+    ends.append((dlgs_jax.fetch(state), history))
+  (real, real_metrics), (simulated, simulated_metrics) = ends
+  assert jax.tree_util.tree_structure(real) == jax.tree_util.tree_structure(simulated)
+  for a, b in zip(jax.tree_util.tree_leaves(real), jax.tree_util.tree_leaves(simulated)):
+    assert a.shape == b.shape  # per-worker states keep a row per worker
+    # vmap batches each worker's matrix products into one, which XLA may round
+    # in another order: float leaves agree to a few ulps after 20 steps, counts exactly.
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert real_metrics[-1]["bytes_sent"] > 0
+  for a, b in zip(real_metrics, simulated_metrics):
+    assert a.keys() == b.keys()
+    np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-6)
+
+
 class LinenNet(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):
