@@ -12,6 +12,7 @@ collects each run's per-epoch test accuracy and loss.
     python experiments/accuracy.py --methods dense,dlgs-head --densities 0.1 --seeds 0,1,2
     python experiments/accuracy.py --methods dense,dlgs,dlgs@2l --densities 0.1 --node-size 2
     python experiments/accuracy.py --merge a/results.json,b/results.json --out-dir both
+    python experiments/accuracy.py --simulate --methods dense,dlgs --densities 0.01  # one GPU
 
 Writes results.json, results.md and curves.png under --out-dir. A run whose
 summary already exists with the same settings is reused (runs take minutes
@@ -70,6 +71,9 @@ def parse_args(argv=None):
                       "dlgs-paper-head (both)")
   parser.add_argument("--densities", default="0.1,0.01")
   parser.add_argument("--workers", type=int, default=4)
+  parser.add_argument("--simulate", action="store_true",
+                      help="run the --workers workers on one device (dlgs-train "
+                      "--simulate-workers: one GPU) instead of as many CPU devices")
   parser.add_argument("--epochs", type=int, default=20)
   parser.add_argument("--batch-size", type=int, default=32, help="examples per worker per step")
   parser.add_argument("--lr", type=float, default=0.1)
@@ -136,7 +140,8 @@ def train_command(args, name, density, seed, workdir):
   command = [sys.executable, "-m", "dlgs_jax.cli.train", "--model", args.model,
              *method_flags(method), *density_flags, "--epochs", str(args.epochs),
              "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(seed),
-             "--local-devices", str(args.workers), "--workers", str(args.workers),
+             *(["--simulate-workers", str(args.workers)] if args.simulate else
+               ["--local-devices", str(args.workers), "--workers", str(args.workers)]),
              "--workdir", str(workdir), "--check-every", "0", "--keep", "1"]
   if args.data_dir:
     command += ["--data-dir", args.data_dir]
@@ -302,6 +307,9 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   methods = args.methods.split(",")
   densities = [float(d) for d in args.densities.split(",")]
+  if args.simulate and any(exchange_of(m)[1] for m in methods):
+    raise SystemExit("--simulate runs every worker on one device: a two-level (@2l) method "
+                     "needs devices as nodes; drop --simulate or the @2l methods")
   plan = []
   for seed, (method, density) in ((seed, configuration) for seed in args.seeds
                                   for configuration in configurations(
@@ -349,7 +357,8 @@ def main(argv=None) -> int:
                     "seed": seed, "epochs": epochs, "summary": summary,
                     "command": "python -m dlgs_jax.cli.train " + " ".join(command[3:])})
   meta = {"command": command,
-          "model": args.model, "workers": args.workers, "epochs": args.epochs,
+          "model": args.model, "workers": args.workers, "simulated": args.simulate,
+          "epochs": args.epochs,
           "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
           "plan_dir": args.plan_dir,
           "node_size": args.node_size if any(exchange_of(m)[1] for m in methods) else None,

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import child_env, write_cifar_dir
+from tests.helpers import child_env, write_cifar_bin_dir, write_cifar_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -699,3 +699,34 @@ def test_the_default_grouping_keeps_an_updates_conditionals_as_leaves_grow():
   assert (by[16, "lags"]["groups"], by[16, "lags per leaf"]["groups"]) == (1, 16)
   assert by[16, "lags"]["top_k"] == by[16, "lags per leaf"]["top_k"] == 0
 
+
+
+def test_gpu_accuracy_packs_what_can_travel_and_trains_simulated_workers_on_it(tmp_path):
+  """The GPU accuracy run at toy size, on CPU: a slice packed in CIFAR-10's binary format,
+  then dense and DLGS with 2 workers simulated on one device."""
+  gpu_accuracy = load("gpu_accuracy")
+  source, _ = write_cifar_bin_dir(tmp_path / "cifar", per_batch=64)
+  sliced = tmp_path / "slice"
+  for train, test, message in ((101, 10, "--train 101 must be a positive multiple of 5"),
+                               (400, 10, "holds 64 rows, fewer than the 80 asked for"),
+                               (20_000, 5_000, "over the 36 MiB that can travel")):
+    with pytest.raises(SystemExit, match=message):
+      gpu_accuracy.pack(source, tmp_path / "refused", train, test)
+  assert gpu_accuracy.pack(source, sliced, 100, 40) == 140 * gpu_accuracy.ROW
+  assert (sliced / "data_batch_5.bin").stat().st_size == 20 * gpu_accuracy.ROW
+  out = tmp_path / "out"
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "gpu_accuracy.py"), "run", "--data-dir",
+       str(sliced), "--model", "smallcnn", "--workers", "2", "--batch-size", "8", "--epochs",
+       "1", "--density", "0.1", "--out-dir", str(out), "--runs-dir", str(tmp_path / "runs")],
+      cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.count("(100 train / 40 test), 2 workers (simulated on one device)") == 2
+  results = json.loads((out / "results.json").read_text())
+  assert results["meta"]["simulated"] is True
+  assert [(r["method"], r["density"]) for r in results["results"]] == [("dense", None),
+                                                                      ("dlgs", 0.1)]
+  assert all(r["summary"]["workers"] == 2 for r in results["results"])
+  run = json.loads((out / "run.json").read_text())
+  assert run["platform"] == "cpu" and run["epochs"] == 1 and run["seconds"] > 0
+  assert (out / "curves.png").stat().st_size > 10_000
