@@ -296,17 +296,19 @@ def test_bad_flags_are_named(flags, message):
 
 @pytest.mark.slow
 def test_bfloat16_on_the_wire_cuts_the_bytes_it_says(tmp_path):
-  """Dense: half the bytes. DLGS with the head sent whole: a quarter less (int32 index,
-  bfloat16 value), and at float32 exactly the pairs the density and the head make."""
+  """DLGS with the head sent whole: a quarter less (int32 index, bfloat16 value), and at
+  float32 exactly the pairs the density and the head make. (Dense's half: the same
+  --wire-dtype field, test_transforms.py::test_dense_in_bfloat16_halves_the_bytes.)"""
   density, workers = 0.05, 2
   shapes = models.param_shapes("smallcnn")
   paths = grouping.leaf_paths(shapes)
   sizes = {p: int(np.prod(x.shape)) for p, x in zip(paths, jax.tree_util.tree_leaves(shapes))}
   head = {"Dense_1/bias", "Dense_1/kernel"}  # SmallCNN's head: 128x10 + 10
   pairs = sum(n if p in head else max(1, int(np.ceil(density * n))) for p, n in sizes.items())
-  for method, extra, scale in (("dense", [], 0.5),
-                               ("dlgs", ["--send-whole", "head", "--density", str(density)],
-                                0.75)):
+  assert train.config_from_args(["--method", "dense", "--wire-dtype", "bfloat16"]
+                                ).method.wire_dtype == "bfloat16"
+  for method, extra, scale in (("dlgs", ["--send-whole", "head", "--density", str(density)],
+                                0.75),):
     sent = {}
     for dtype in ("float32", "bfloat16"):
       workdir = tmp_path / method / dtype
