@@ -701,6 +701,7 @@ def test_the_default_grouping_keeps_an_updates_conditionals_as_leaves_grow():
 
 
 
+@pytest.mark.slow
 def test_gpu_accuracy_packs_what_can_travel_and_trains_simulated_workers_on_it(tmp_path):
   """The GPU accuracy run at toy size, on CPU: a slice packed in CIFAR-10's binary format,
   then dense and DLGS with 2 workers simulated on one device."""
