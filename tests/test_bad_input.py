@@ -344,9 +344,10 @@ def test_float16_past_its_range_is_clipped_and_kept_in_the_residual():
   params = {"a": jnp.zeros((40,), jnp.float16)}
   state = jax.vmap(lambda _: tx.init(params), axis_name="w")(jnp.arange(workers))
   grads = {"a": jnp.full((workers, 40), 4e4, jnp.float16)}
+  update_fn = jax.jit(jax.vmap(tx.update, axis_name="w"))  # one program, not op by op
   for step in range(3):
     old = np.asarray(state.residuals["a"], np.float64)
-    updates, state = jax.vmap(tx.update, axis_name="w")(grads, state)
+    updates, state = update_fn(grads, state)
     update = np.asarray(updates["a"], np.float64)
     residual = np.asarray(state.residuals["a"], np.float64)
     assert np.isfinite(update).all() and np.isfinite(residual).all(), step
