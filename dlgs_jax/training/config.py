@@ -348,14 +348,13 @@ def _validate_counts(config: RunConfig) -> None:
                              ("simulate_workers", processes.simulate_workers, 1)):
     if value is not None:
       _check_int(option, value, low)
-  _check_simulated(config)
   _check_int("init_timeout", processes.init_timeout, 1)
   if processes.local_devices is not None:
     _check_int("local_devices", processes.local_devices, 1, 1024)
   _check_int("reuse_every", config.method.reuse_every, 1)
 
 
-def _check_simulated(config: RunConfig) -> None:
+def _check_simulated_alone(config: RunConfig) -> None:
   """Refuses settings that place workers on devices or processes beside simulated workers."""
   processes = config.processes
   if processes.simulate_workers is None:
@@ -400,6 +399,7 @@ def _validate_run(config: RunConfig) -> None:
   if data.dataset not in DATASETS:
     raise ConfigError("dataset", data.dataset, "choose auto, cifar10, imagefolder or synthetic")
   _validate_counts(config)
+  _check_simulated_alone(config)
   _validate_schedule_and_plan(config)
   method = config.method
   if not method.spec.takes_groups and (plan.planner != "none" or plan.plan):
