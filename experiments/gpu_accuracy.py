@@ -29,14 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from dlgs_jax.workload import data
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SLICE_DIR = ROOT / "device_data" / "cifar10" / "cifar-10-batches-bin"
-ROW = 1 + 32 * 32 * 3  # a binary CIFAR-10 row: the label byte, then the pixels
-TRAIN_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)]
-TEST_FILE = "test_batch.bin"
+SLICE_DIR = ROOT / "device_data" / "cifar10" / data.CIFAR10_BIN_DIR
+ROW = data.CIFAR10_BIN_ROW  # a binary CIFAR-10 row: the label byte, then the pixels
+TRAIN_FILES = list(data.CIFAR10_BIN_TRAIN_FILES)
+TEST_FILE = data.CIFAR10_BIN_TEST_FILE
 # What may travel beside the repository's own files (the device's limit is 64 MiB).
 SLICE_LIMIT_BYTES = 36 * 2**20
 
