@@ -43,8 +43,14 @@ def _computations(hlo: str) -> dict[str, list[str]]:
   return computations
 
 
+# XLA numbers the elements of long tuple types (``/*index=5*/``): their "=" would
+# end an instruction's type early and hide its opcode (a conditional returning
+# six arrays went uncounted).
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
 def _opcode(line: str):
-  match = _INSTRUCTION.match(line)
+  match = _INSTRUCTION.match(_COMMENT.sub("", line))
   return match.group(1) if match else None
 
 

@@ -26,6 +26,19 @@ def test_each_construct_is_counted_where_it_is():
   assert counts["kernels"] >= 3
 
 
+def test_a_conditional_returning_a_long_tuple_is_counted():
+  # XLA writes /*index=5*/ into a type of six or more elements: the "=" inside must
+  # not hide the instruction's opcode.
+  def fn(x, p):
+    parts = lax.cond(p, lambda: tuple(jnp.sort(x * i) for i in range(7)),
+                     lambda: tuple(x + i for i in range(7)))
+    return sum(part.sum() for part in parts)
+
+  text = jax.jit(fn).lower(X, True).compile().as_text()
+  assert "/*index=5*/" in text
+  assert programs.count_hlo(text)["conditionals"] == 1
+
+
 def test_a_plain_program_has_no_conditionals_sorts_or_loops():
   counts = programs.program_counts(lambda x: jnp.exp(x).sum() * 2, X)
   assert counts == {"conditionals": 0, "sorts": 0, "top_k": 0, "loops": 0,
