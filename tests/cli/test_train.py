@@ -143,7 +143,9 @@ def test_killed_or_stopped_runs_resume_bit_identical_to_an_uninterrupted_one(tmp
 
 @pytest.mark.slow
 def test_one_run_per_workdir_and_a_dead_runs_lock_is_recovered(tmp_path):
-  args = [*SMALL, "--local-devices", "2", "--steps", "200", "--density", "0.05",
+  # Dense, as in every test here of a run's plumbing rather than its method: its step
+  # compiles and runs fastest (DLGS's state through a resume: the kill-and-resume test).
+  args = [*SMALL, "--local-devices", "2", "--steps", "200", "--method", "dense",
           "--checkpoint-every", "2", "--check-every", "0", "--workdir", str(tmp_path)]
   first = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args],
                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -382,7 +384,7 @@ def test_trains_on_an_image_folder_with_sync_batchnorm(tmp_path):
         Image.fromarray(pixels).save(folder / f"{i}.{'png' if i % 2 else 'jpg'}")
   result = run_cli(["--model", "smallcnn", "--dataset", "imagefolder", "--data-dir",
                     str(tmp_path / "images"), "--image-size", "16", "--batch-size", "2",
-                    "--local-devices", "2", "--steps", "3", "--sync-bn",
+                    "--local-devices", "2", "--steps", "3", "--sync-bn", "--method", "dense",
                     "--workdir", str(tmp_path / "run")])
   assert result.returncode == 0, result.stderr[-3000:]
   assert "imagefolder:" in result.stdout and "(18 train / 6 test)" in result.stdout
@@ -404,7 +406,8 @@ def test_runs_that_cannot_train_stop_in_one_line_without_saving_nan(tmp_path):
   long = run_cli([*SMALL, "--epochs", "2000000000", "--local-devices", "2",
                   "--workdir", str(tmp_path / "long")])
   assert long.returncode != 0 and "do not fit the int32 step counter" in long.stderr
-  nan = run_cli([*SMALL, "--lr", "1e30", "--local-devices", "2", "--steps", "30",
+  nan = run_cli([*SMALL, "--lr", "1e30", "--method", "dense", "--local-devices", "2",
+                 "--steps", "30",
                  "--checkpoint-every", "3", "--nonfinite-limit", "4",
                  "--workdir", str(tmp_path / "nan")])
   assert nan.returncode != 0 and "non-finite for 4 steps in a row" in nan.stderr, nan.stderr
@@ -469,7 +472,9 @@ def test_a_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(t
   try:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)],
                    check=True)
-    args = [*SMALL, "--local-devices", "2", "--steps", "6", "--checkpoint-every", "2"]
+    # Dense: its checkpoint (4.4 MB) overfills the 3 MB disk too.
+    args = [*SMALL, "--local-devices", "2", "--steps", "6", "--checkpoint-every", "2",
+            "--method", "dense"]
     full = run_cli([*args, "--workdir", str(small / "run")])
     assert full.returncode != 0 and full.stderr.count("\n") == 1, full.stderr[-3000:]
     assert "not enough space to save step 2 in" in full.stderr
@@ -531,7 +536,7 @@ def test_a_run_resumes_onto_another_node_shape_with_its_residuals_dealt_again(tm
 
 @pytest.mark.slow
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp_path):
-  args = [*SMALL, "--local-devices", "2", "--steps", "10", "--density", "0.05",
+  args = [*SMALL, "--local-devices", "2", "--steps", "10", "--method", "dense",
           "--checkpoint-every", "2", "--check-every", "0"]
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
   parts = run_cli([*args, "--workdir", str(tmp_path / "parts"), "--stop-after", "6"])
@@ -552,7 +557,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp
 @pytest.mark.slow
 def test_a_finished_run_extended_equals_one_planned_that_long(tmp_path):
   # 237 steps an epoch at 2 x 8: drops at steps 4 (4/7 of 7) and 6, and later at 12.
-  args = [*SMALL, "--local-devices", "2", "--density", "0.05", "--check-every", "0"]
+  args = [*SMALL, "--local-devices", "2", "--method", "dense", "--check-every", "0"]
   short, whole = tmp_path / "short", tmp_path / "whole"
   assert run_cli([*args, "--steps", "7", "--workdir", str(short)]).returncode == 0
   # The default drops move with the length: refused, naming the epochs that keep them.
