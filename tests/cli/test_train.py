@@ -22,6 +22,10 @@ from dlgs_jax.planning.timeline import Profile
 from tests.helpers import child_env, smallcnn_plan, wait_for_step
 
 SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
+# A run's plumbing (locks, signals, checkpoints, schedules, failures) is tested on dense:
+# its step compiles and runs fastest. DLGS's state through a resume: the kill-and-resume,
+# worker-count and node-shape tests.
+PLUMBING = [*SMALL, "--method", "dense"]
 
 
 def run_cli(args, timeout=400):
@@ -143,9 +147,7 @@ def test_killed_or_stopped_runs_resume_bit_identical_to_an_uninterrupted_one(tmp
 
 @pytest.mark.slow
 def test_one_run_per_workdir_and_a_dead_runs_lock_is_recovered(tmp_path):
-  # Dense, as in every test here of a run's plumbing rather than its method: its step
-  # compiles and runs fastest (DLGS's state through a resume: the kill-and-resume test).
-  args = [*SMALL, "--local-devices", "2", "--steps", "200", "--method", "dense",
+  args = [*PLUMBING, "--local-devices", "2", "--steps", "200",
           "--checkpoint-every", "2", "--check-every", "0", "--workdir", str(tmp_path)]
   first = subprocess.Popen([sys.executable, "-m", "dlgs_jax.cli.train", *args],
                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -406,8 +408,7 @@ def test_runs_that_cannot_train_stop_in_one_line_without_saving_nan(tmp_path):
   long = run_cli([*SMALL, "--epochs", "2000000000", "--local-devices", "2",
                   "--workdir", str(tmp_path / "long")])
   assert long.returncode != 0 and "do not fit the int32 step counter" in long.stderr
-  nan = run_cli([*SMALL, "--lr", "1e30", "--method", "dense", "--local-devices", "2",
-                 "--steps", "30",
+  nan = run_cli([*PLUMBING, "--lr", "1e30", "--local-devices", "2", "--steps", "30",
                  "--checkpoint-every", "3", "--nonfinite-limit", "4",
                  "--workdir", str(tmp_path / "nan")])
   assert nan.returncode != 0 and "non-finite for 4 steps in a row" in nan.stderr, nan.stderr
@@ -448,10 +449,9 @@ def _stop_by_signal(args, workdir, signum, total) -> int:
 @pytest.mark.slow
 def test_sigint_saves_a_checkpoint_and_resume_continues_bit_for_bit(tmp_path):
   """SIGINT stops a run at a step with a checkpoint of its own. (SIGTERM: the kill-and-resume
-  test; DGC's state through a checkpoint: tests/training/test_checkpoint.py.) Dense: its
-  step compiles fastest, and the signal, not the method, is under test."""
-  args = [*SMALL, "--local-devices", "2", "--steps", "30", "--method", "dense",
-          "--checkpoint-every", "100", "--check-every", "0"]
+  test; DGC's state through a checkpoint: tests/training/test_checkpoint.py.)"""
+  args = [*PLUMBING, "--local-devices", "2", "--steps", "30", "--checkpoint-every", "100",
+          "--check-every", "0"]
   step = _stop_by_signal(args, tmp_path / "stopped", signal.SIGINT, 30)
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
   resumed = run_cli([*args, "--workdir", str(tmp_path / "stopped"), "--resume"])
@@ -473,8 +473,7 @@ def test_a_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(t
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)],
                    check=True)
     # Dense: its checkpoint (4.4 MB) overfills the 3 MB disk too.
-    args = [*SMALL, "--local-devices", "2", "--steps", "6", "--checkpoint-every", "2",
-            "--method", "dense"]
+    args = [*PLUMBING, "--local-devices", "2", "--steps", "6", "--checkpoint-every", "2"]
     full = run_cli([*args, "--workdir", str(small / "run")])
     assert full.returncode != 0 and full.stderr.count("\n") == 1, full.stderr[-3000:]
     assert "not enough space to save step 2 in" in full.stderr
@@ -536,8 +535,8 @@ def test_a_run_resumes_onto_another_node_shape_with_its_residuals_dealt_again(tm
 
 @pytest.mark.slow
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp_path):
-  args = [*SMALL, "--local-devices", "2", "--steps", "10", "--method", "dense",
-          "--checkpoint-every", "2", "--check-every", "0"]
+  args = [*PLUMBING, "--local-devices", "2", "--steps", "10", "--checkpoint-every", "2",
+          "--check-every", "0"]
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
   parts = run_cli([*args, "--workdir", str(tmp_path / "parts"), "--stop-after", "6"])
   assert parts.returncode == 0, parts.stderr[-3000:]
@@ -557,7 +556,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp
 @pytest.mark.slow
 def test_a_finished_run_extended_equals_one_planned_that_long(tmp_path):
   # 237 steps an epoch at 2 x 8: drops at steps 4 (4/7 of 7) and 6, and later at 12.
-  args = [*SMALL, "--local-devices", "2", "--method", "dense", "--check-every", "0"]
+  args = [*PLUMBING, "--local-devices", "2", "--check-every", "0"]
   short, whole = tmp_path / "short", tmp_path / "whole"
   assert run_cli([*args, "--steps", "7", "--workdir", str(short)]).returncode == 0
   # The default drops move with the length: refused, naming the epochs that keep them.
