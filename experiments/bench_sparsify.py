@@ -195,17 +195,12 @@ def bench_config(name, density, reuse_every, repeats, with_updates, grouped, can
   return row
 
 
-def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool = True
-                    ) -> list[dict]:
+def grouping_counts(leaf_counts=(20, 160), density: float = 0.01) -> list[dict]:
   """Conditionals and kernels of DLGS's and LAGS's updates as the leaves grow.
 
   A model of `n` leaves (3x3x32x32 kernels and their biases); each transform
   with its default grouping (`grouping.size_buckets`) and, for comparison,
-  with one group per leaf. Compiled for this backend, not timed. On CPU DLGS
-  keeps the leaves of groups over `segmented.CPU_LAY_OUT_MAX` values as they are
-  (`segmented.lay_out_by_default`), so its kernels grow with the leaves there;
-  "dlgs laid out" compiles the view an accelerator takes, one buffer per group
-  (left out with `laid_out` False).
+  with one group per leaf. Compiled for this backend, not timed.
   """
   rows = []
   for n in leaf_counts:
@@ -220,16 +215,7 @@ def grouping_counts(leaf_counts=(20, 160), density: float = 0.01, laid_out: bool
       counts = programs.program_counts(tx.update, params, state)
       rows.append({"leaves": n, "transform": name, "groups": len(state.stats.groups),
                    **counts})
-    if laid_out:
-      rows.append({"leaves": n, "transform": "dlgs laid out", "groups": 1,
-                   **_laid_out_counts(dlgs_jax.dlgs(density), params)})
   return rows
-
-
-def _laid_out_counts(tx, params) -> dict:
-  """`programs.program_counts` of ``tx.update`` with every group laid out in one buffer."""
-  with segmented.forced_view(True):
-    return programs.program_counts(tx.update, params, tx.init(params))
 
 
 def format_grouping(rows) -> str:

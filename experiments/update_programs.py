@@ -5,12 +5,9 @@ transform's update (one worker, ``axis_name=None``) is lowered and compiled
 here, and its optimized HLO counted (`profiling.programs`): conditionals,
 sorts and top-k calls, loops, and the kernels a step launches. DLGS runs under
 the paper's rule (``FixedReuse(10)``) and the default (``AdaptedReuse``), with
-every leaf in one group and with the default buckets, in both views of a
-group's values: laid out in one buffer (what accelerators run,
-`segmented.lay_out_by_default`) and leaf by leaf (what CPUs run for groups
-of more than `segmented.CPU_LAY_OUT_MAX` values). On this
-backend the laid-out program is XLA:CPU's, so its counts say how many kernels
-the passes take, not what a GPU's fusion makes of them.
+every leaf in one group and with the default buckets. On this backend the
+program is XLA:CPU's, so its counts say how many kernels the passes take, not
+what a GPU's fusion makes of them.
 
 Nothing is timed but compilation; the update's run time against its memory
 floor is `gpu_check.py`'s.
@@ -30,7 +27,7 @@ from pathlib import Path
 import jax
 
 import dlgs_jax
-from dlgs_jax.compress import engine, grouping, segmented
+from dlgs_jax.compress import grouping
 from dlgs_jax.profiling import programs
 from dlgs_jax.workload import models
 
@@ -38,35 +35,30 @@ DENSITY = 0.01
 
 
 def transforms(params) -> dict:
-  """Label -> (transform, laid out or None when the view does not apply)."""
+  """Label -> transform."""
   one = [list(grouping.leaf_paths(params))]
   paper = dlgs_jax.FixedReuse(10)
-  rows = {"dense": (dlgs_jax.dense(), None), "topk": (dlgs_jax.topk(DENSITY), None),
-          "lags": (dlgs_jax.lags(DENSITY), None)}
-  for laid_out in (True, False):
-    view = "laid out" if laid_out else "leaf by leaf"
-    for rule_name, rule in (("paper", paper), ("default", dlgs_jax.AdaptedReuse())):
-      rows[f"dlgs {rule_name}, one group, {view}"] = (
-          dlgs_jax.dlgs(DENSITY, thresholds=rule, groups=one), laid_out)
-      rows[f"dlgs {rule_name}, buckets, {view}"] = (
-          dlgs_jax.dlgs(DENSITY, thresholds=rule), laid_out)
+  rows = {"dense": dlgs_jax.dense(), "topk": dlgs_jax.topk(DENSITY),
+          "lags": dlgs_jax.lags(DENSITY)}
+  for rule_name, rule in (("paper", paper), ("default", dlgs_jax.AdaptedReuse())):
+    rows[f"dlgs {rule_name}, one group"] = dlgs_jax.dlgs(DENSITY, thresholds=rule, groups=one)
+    rows[f"dlgs {rule_name}, buckets"] = dlgs_jax.dlgs(DENSITY, thresholds=rule)
   return rows
 
 
 def measure(model: str, only=None) -> list[dict]:
   params = models.param_shapes(model)
   out = []
-  for label, (tx, laid_out) in transforms(params).items():
+  for label, tx in transforms(params).items():
     if only and not any(word in label for word in only):
       continue
-    with segmented.forced_view(laid_out):
-      state = jax.eval_shape(tx.init, params)
-      start = time.perf_counter()
-      compiled = jax.jit(tx.update).lower(params, state).compile()
-      seconds = time.perf_counter() - start
+    state = jax.eval_shape(tx.init, params)
+    start = time.perf_counter()
+    compiled = jax.jit(tx.update).lower(params, state).compile()
+    seconds = time.perf_counter() - start
     row = {"model": model, "method": label, "compile_s": round(seconds, 1),
            **programs.count_hlo(compiled.as_text())}
-    print(f"{model:9s} {label:38s} compile {seconds:6.1f} s  cond {row['conditionals']}  "
+    print(f"{model:9s} {label:24s} compile {seconds:6.1f} s  cond {row['conditionals']}  "
           f"sort+topk {row['sorts'] + row['top_k']}  kernels {row['kernels']}", flush=True)
     out.append(row)
   return out

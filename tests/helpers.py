@@ -58,6 +58,25 @@ def random_grads(params, workers, rng, scale=1.0):
       lambda x: (scale * rng.standard_normal((workers,) + x.shape)).astype(np.float32), params)
 
 
+def residual_tree(state, params):
+  """A `DLGSState`'s or `SparseState`'s flat residual buffers as a tree shaped like `params`.
+
+  Leaves keep the buffers' leading worker axis, if any.
+  """
+  from dlgs_jax.compress import grouping, state as states  # pylint: disable=g-import-not-at-top
+  by_path = states.leaf_residuals(state)
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params),
+                                      [by_path[p] for p in grouping.leaf_paths(params)])
+
+
+def leaf_thresholds(state, params):
+  """A `DLGSState`'s thresholds, one array per leaf of `params` in flatten order."""
+  from dlgs_jax.compress import grouping  # pylint: disable=g-import-not-at-top
+  by_path = {path: row[..., i] for paths, row in zip(state.stats.groups.paths, state.thresholds)
+             for i, path in enumerate(paths)}
+  return [by_path[p] for p in grouping.leaf_paths(params)]
+
+
 def flat(tree):
   return np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree_util.tree_leaves(tree)])
 

@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import dlgs_jax  # noqa: E402
 from dlgs_jax.workload import parallel  # noqa: E402
+from dlgs_jax.compress import grouping  # noqa: E402
+from dlgs_jax.compress.state import leaf_residuals  # noqa: E402
 
 mesh = parallel.data_mesh()
 workers = mesh.devices.size
@@ -50,9 +52,9 @@ for name, tx in methods.items():
     results[f"{name}/{t}/update"] = np.concatenate(
         [x.reshape(len(local_rows), -1) for x in jax.tree_util.tree_leaves(u)], axis=1)
     if hasattr(state, "residuals"):
-      r = parallel.fetch(state.residuals)
+      r = leaf_residuals(parallel.fetch(state))  # by leaf, in the gradients' order
       results[f"{name}/{t}/residual"] = np.concatenate(
-          [x.reshape(len(local_rows), -1) for x in jax.tree_util.tree_leaves(r)], axis=1)
+          [r[p].reshape(len(local_rows), -1) for p in grouping.leaf_paths(params)], axis=1)
     results[f"{name}/{t}/grads"] = np.concatenate(
         [x.reshape(workers, -1) for x in jax.tree_util.tree_leaves(grads)], axis=1)
 # Rank 0 plans; every process gets its plan (paper Sec. 3.4).

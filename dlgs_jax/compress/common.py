@@ -290,29 +290,86 @@ def residual_dtype_for(leaf, residual_dtype):
   return residual_dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
-def round_into_residuals(means, residuals, grads):
-  """(updates in the gradients' dtypes, residuals): what rounding a mean loses stays owed.
+def round_into_buffers(layout, means: Sequence[jax.Array], residuals: Sequence[jax.Array],
+                       grads: Sequence[jax.Array]):
+  """(updates in the gradients' dtypes, flat residuals): what rounding a mean loses stays owed.
 
-  The mean is computed in the residuals' dtype; a worker returns it in its
-  gradient's dtype (e.g. bfloat16), and the rounding error goes back into every
-  worker's residual, so ``P * update + sum_w e_w`` still accounts for every bit
-  of gradient mass. Leaves already in the residual dtype are returned untouched.
+  The mean is computed in float32; a worker returns each leaf's part of it in
+  its gradient's dtype (e.g. bfloat16), and the rounding error goes back into
+  every worker's residual, so ``P * update + sum_w e_w`` still accounts for
+  every bit of gradient mass. Groups whose leaves are all float32 are
+  returned untouched.
 
   A mean past the gradient dtype's range (float16 tops out at 65504) is sent
   clipped to it, and the excess stays owed in the residual too: cast as it
   is, it would apply an infinity and leave minus that infinity in the residual.
+
+  Args:
+    layout: the transform's `engine.Layout`.
+    means: per group, float32 [buffer]: the mean over workers.
+    residuals: per group, float32 [buffer]: the new residual.
+    grads: every leaf's gradient (flat list).
+
+  Returns:
+    ``(updates, residuals)``: the flat list of every leaf's update, and the
+    residuals per group.
   """
-  sent, kept = [], []
-  for mean, residual, grad in zip(means, residuals, grads):
-    update = mean.astype(grad.dtype)
-    if update.dtype != mean.dtype and residual.dtype == mean.dtype:
-      if jnp.issubdtype(update.dtype, jnp.floating):
-        largest = float(jnp.finfo(update.dtype).max)
-        update = jnp.clip(mean, -largest, largest).astype(grad.dtype)
-      residual = residual + (mean - update.astype(mean.dtype))
-    sent.append(update)
+  sent: list = [None] * len(grads)
+  kept = []
+  for group, (mean, residual) in enumerate(zip(means, residuals)):
+    owed = {}
+    for leaf, part in layout.cut(group, mean).items():
+      dtype = jnp.result_type(grads[leaf])
+      update = part.astype(dtype)
+      if dtype != part.dtype:
+        if jnp.issubdtype(dtype, jnp.floating):
+          largest = float(jnp.finfo(dtype).max)
+          update = jnp.clip(part, -largest, largest).astype(dtype)
+        owed[leaf] = part - update.astype(part.dtype)
+      sent[leaf] = update
+    if owed:
+      parts = [owed.get(leaf, jnp.zeros(layout.shapes[leaf], jnp.float32))
+               for leaf in range(len(grads))]
+      residual = residual + layout.lay_out(group, parts)
     kept.append(residual)
   return sent, kept
+
+
+def check_buffers(grads, layout, residuals, groups) -> None:
+  """Refuses, in one line, gradients that the state's flat buffers were not built for.
+
+  Args:
+    grads: the gradient tree given to an update.
+    layout: its `engine.Layout`.
+    residuals: the state's flat residual buffers, one per group.
+    groups: the state's `state.MessageGroups` (the paths and shapes it was built for).
+
+  Raises:
+    ValueError: naming the leaves or shapes that differ, and the worker axis
+      when a per-worker state kept it inside shard_map.
+  """
+  paths = [p for group in groups.paths for p in group]
+  shapes = [s for group in (groups.shapes or ()) for s in group]
+  given = dict(zip(layout.paths, layout.shapes))
+  if sorted(paths) != sorted(given):
+    raise ValueError(f"the gradients do not match the optimizer state: the gradients have "
+                     f"leaves {list(layout.paths)!r}, the optimizer state has leaves "
+                     f"{sorted(paths)!r}")
+  for path, shape in zip(paths, shapes):
+    if tuple(given[path]) != tuple(shape):
+      raise ValueError(f"the gradient leaf {path!r} has shape {tuple(given[path])}, in the "
+                       f"optimizer state it has shape {tuple(shape)}")
+  if groups.paths != tuple(tuple(g) for g in layout.group_paths()):
+    raise ValueError(f"the optimizer state was built for the groups {list(map(list, groups.paths))!r}, "
+                     f"this transform groups the gradients as {layout.group_paths()!r}: give "
+                     f"the update the state its own init returned")
+  for group, flat in enumerate(residuals):
+    length = layout.buffer(group).length
+    if tuple(jnp.shape(flat)) != (length,):
+      extra = (" (a per-worker state keeps its worker axis outside shard_map; drop it inside "
+               "with dlgs_jax.squeeze_state)" if tuple(jnp.shape(flat))[1:] == (length,) else "")
+      raise ValueError(f"the optimizer state's residual buffer of group {group} has shape "
+                       f"{tuple(jnp.shape(flat))}, the gradients need ({length},){extra}")
 
 
 def check_axis_name(axis_name):

@@ -307,15 +307,20 @@ class _Step:
     def branch(d):
       def run(_):
         select = engine.Selection("threshold", d, capacity_factor=s.upper)
-        thresholds = [
-            estimate_threshold(jax.random.fold_in(key, j), v,
-                               select.leaf_k(self.sparse_layout, j),
-                               sample_ratio=s.sample_ratio, band=(s.lower, s.upper),
-                               max_lowering=s.max_lowering)
-            for j, v in enumerate(accumulated)]
-        out = exchange.sparse_exchange(self.sparse_layout, select, "allgather", accumulated,
-                                     thresholds, axis_name=s.axis_name)
-        return (out[0],) + tuple(common.as_varying(out[1:5], s.axis_name))
+        layout = self.sparse_layout
+        flats, picked = [], []
+        for j, v in enumerate(accumulated):
+          threshold = estimate_threshold(
+              jax.random.fold_in(key, j), v, select.leaf_k(layout, j),
+              sample_ratio=s.sample_ratio, band=(s.lower, s.upper), max_lowering=s.max_lowering)
+          flats.append(layout.lay_out(j, accumulated))
+          picked.append(engine.pick_at(select, layout, j, flats[-1], threshold[None]))
+        out = exchange.sparse_exchange(layout, select, "allgather", flats, picked,
+                                       axis_name=s.axis_name)
+        means = [layout.cut(j, mean)[j] for j, mean in enumerate(out.means)]
+        kept = [layout.cut(j, flat)[j] for j, flat in enumerate(out.residuals)]
+        return (means,) + tuple(common.as_varying(
+            (kept, out.selected, out.passed, out.bytes_sent), s.axis_name))
       return run
 
     stage = warmup_stage(state.count, s.warmup_steps, s.warmup_stages)

@@ -1,9 +1,12 @@
 """The machinery shared by every communication transform: what is sent.
 
 A transform is described by a static `Layout` (which leaves exist, how they are
-grouped), a `Selection` (how a worker picks the values it sends) and a
-collective name. `pick` chooses every method's values; `exchange` sends
-them, and `transforms.py` wraps both into optax transformations.
+grouped, and where each leaf lies in its group's flat buffer), a `Selection`
+(how a worker picks the values it sends) and a collective name. The sparse
+transforms keep each group's error-feedback residual as one flat buffer in
+that layout; `accumulate` adds a step's gradients into it once, `pick` chooses
+every method's values over the whole buffer, `exchange` sends them, and
+`transforms.py` wraps both into optax transformations.
 """
 
 from __future__ import annotations
@@ -50,6 +53,24 @@ class Layout:
   def group_paths(self) -> list[list[str]]:
     """The leaf paths of each group, in group order (what `CommStats.groups` labels)."""
     return [[self.paths[leaf] for leaf in group] for group in self.groups]
+
+  def group_shapes(self) -> list[list[tuple[int, ...]]]:
+    """The leaf shapes of each group, in group order."""
+    return [[self.shapes[leaf] for leaf in group] for group in self.groups]
+
+  def buffer(self, group: int) -> segmented.Segments:
+    """Where the group's leaves lie in its flat buffer (each padded to whole words)."""
+    return segmented.segments_of([self.sizes[leaf] for leaf in self.groups[group]])
+
+  def lay_out(self, group: int, leaves: Sequence[jax.Array]) -> jax.Array:
+    """The group's leaves (taken from the flat leaf list `leaves`) as one float32 buffer."""
+    return segmented.lay_out([leaves[leaf] for leaf in self.groups[group]], self.buffer(group))
+
+  def cut(self, group: int, flat: jax.Array) -> dict[int, jax.Array]:
+    """A group's flat buffer back into its leaves (leaf index -> array in its shape)."""
+    leaves = self.groups[group]
+    shapes = [self.shapes[leaf] for leaf in leaves]
+    return dict(zip(leaves, segmented.cut(flat, self.buffer(group), shapes)))
 
 
 def make_layout(
@@ -202,9 +223,36 @@ class Selection:
 
   def buffer_length(self, layout: Layout, group: int) -> int:
     """Pairs a worker puts in the group's message before the collective."""
+    return sum(self.capacities(layout, group))
+
+  def segments(self, layout: Layout, group: int) -> segmented.Segments:
+    """The group's buffer cut into what is selected apart: each leaf, or (Top-k) the whole group.
+
+    A Top-k group is one segment over the same buffer: the leaves' padding is
+    zeros, which never pass.
+    """
+    buffer = layout.buffer(group)
     if self.kind == "group_topk":
-      return self.group_k(layout, group)
-    return sum(self.leaf_capacity(layout, leaf) for leaf in layout.groups[group])
+      return segmented.Segments((buffer.length,))
+    return buffer
+
+  def ks(self, layout: Layout, group: int) -> list[int]:
+    """k of each segment (`segments`)."""
+    if self.kind == "group_topk":
+      return [self.group_k(layout, group)]
+    return [self.leaf_k(layout, leaf) for leaf in layout.groups[group]]
+
+  def capacities(self, layout: Layout, group: int) -> tuple[int, ...]:
+    """Message slots of each segment (`segments`)."""
+    if self.kind == "group_topk":
+      return (self.group_k(layout, group),)
+    return tuple(self.leaf_capacity(layout, leaf) for leaf in layout.groups[group])
+
+  def whole(self, layout: Layout, group: int) -> list[bool]:
+    """Per segment, whether it is sent whole (`Layout.whole`)."""
+    if self.kind == "group_topk":
+      return [False]
+    return [self.sent_whole(layout, leaf) for leaf in layout.groups[group]]
 
 
 def concat_flat(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -225,168 +273,169 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
   return out
 
 
-# Counting candidates on every stride-th value keeps about this many values of
-# a leaf near k_l in the count: a relative error of ~3%, against the ~9% step
-# between candidates.
-_COUNTED_NEAR_K = 1024
-_MAX_COUNT_STRIDE = 15
+def accumulate(layout: Layout, group: int, residual: jax.Array,
+               grads: Sequence[jax.Array]) -> jax.Array:
+  """g = e + grad of a group, float32 in its flat buffer (Algorithm 1, line 4).
+
+  Args:
+    layout: the static layout.
+    group: the group.
+    residual: its flat residual, in the residuals' dtype.
+    grads: the flat list of every leaf's gradient.
+
+  The sum is taken in the residuals' dtype, as the residual keeps it.
+  """
+  laid = layout.lay_out(group, grads).astype(residual.dtype)
+  return (residual + laid).astype(jnp.float32)
 
 
-def step_thresholds(
-    select: Selection, layout: Layout, leaves: Sequence[int], values: segmented.Values,
-    previous: jax.Array, recompute: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """H_l of a group's leaves for this step, all of them at once.
+def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
+            previous: jax.Array) -> rules.Proposal:
+  """H_l of a group's leaves for this step, as ``select.rule`` proposes from the last ones.
 
-  The exact k_l-th largest ``|g_l|`` (`segmented.exact_thresholds`) when
-  `recompute`; otherwise the reused thresholds, as ``select.rule`` says
-  (`rules`): kept (`FixedReuse`, `RefreshReuse`) or re-aimed (`AdaptedReuse`,
-  `_adapted`, its leaves of small k exact). The group recomputes exactly (one
-  conditional per group) when the rule's drift test says so.
+  Reused as they are (`FixedReuse`, `RefreshReuse`) or re-aimed from a few
+  candidates (`AdaptedReuse`, its leaves of small k exact). Nothing here
+  waits for another group's gradients, and nothing is conditional.
 
   Args:
     select: the "threshold" selection.
     layout: the static layout.
-    leaves: the group's leaf indices, L of them.
-    values: g = residual + gradient of those leaves.
-    previous: float32 [L], their thresholds of the last step.
+    group: the group.
+    flat: g = residual + gradient of the group, laid out in its buffer.
+    previous: float32 [L], the group's thresholds of the last step.
+  """
+  segs = layout.buffer(group)
+  ks, whole = select.ks(layout, group), select.whole(layout, group)
+  return select.rule.propose(
+      previous, ks=ks, whole=whole,
+      count=lambda trials, strides, leaves: segmented.count_at(flat, segs, trials, strides,
+                                                               leaves),
+      exact=lambda leaves: _exact_subset(flat, segs, leaves, [ks[i] for i in leaves]),
+      sizes=segs.sizes)
+
+
+def initial_thresholds(select: Selection, layout: Layout, group: int) -> jax.Array:
+  """A group's thresholds before its first step: +inf (nothing known yet), 0 where sent whole.
+
+  The first step sends no sparsified value: its exact thresholds are computed
+  from its values (`settle`) and every later step starts from them.
+  """
+  return jnp.where(jnp.asarray(select.whole(layout, group)), 0.0, jnp.inf).astype(jnp.float32)
+
+
+def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
+           picked: Sequence["Picked"], previous: Sequence[jax.Array], recompute: jax.Array
+           ) -> tuple[list[jax.Array], jax.Array]:
+  """The thresholds every group keeps for the next step: exact where due, else the proposals.
+
+  A group's thresholds are computed exactly (`segmented.exact_thresholds`,
+  the k_l-th largest ``|g_l|`` of this step's values) on the schedule's
+  exact steps (`recompute`) and when the rule's drift test fails on the
+  counts its proposal passed; the step itself was selected with the
+  proposal, so no group's message waits for a threshold computed from its
+  own values or from another group's. One conditional for all groups runs
+  the exact selects on the steps that need them, after every message is out.
+
+  Args:
+    select: the "threshold" selection.
+    layout: the static layout.
+    accumulated: per group, g = residual + gradient laid out in its buffer.
+    picked: per group, what `pick` chose with the proposal.
+    previous: per group, float32 [L], the thresholds this step started from.
     recompute: bool scalar, the schedule's exact step.
 
   Returns:
-    ``(thresholds, words, exact)``: float32 [L]; the packed passing masks
-    (`segmented.pack`) at those thresholds; int32 number of leaves whose
-    threshold was computed exactly.
+    ``(thresholds, exact)``: per group float32 [L]; the int32 number of leaves
+    whose threshold was computed exactly this step (the proposals' exact
+    leaves of small k included).
   """
   rule = select.rule
-  ks = [select.leaf_k(layout, leaf) for leaf in leaves]
-  whole = [select.sent_whole(layout, leaf) for leaf in leaves]
-  sparse = sum(not w for w in whole)
-  exact = lambda: segmented.exact_thresholds(values, ks, whole)
-  if rule is None or isinstance(rule, rules.FixedReuse):
-    thresholds = lax.cond(recompute, exact, lambda: previous)
-    return thresholds, values.pack(thresholds), recompute.astype(jnp.int32) * sparse
-  capacities = np.array([select.leaf_capacity(layout, leaf) for leaf in leaves])
-  adapts = isinstance(rule, rules.AdaptedReuse)
-  few = [i for i, (k, w) in enumerate(zip(ks, whole))
-         if adapts and k < rule.exact_below_k and not w]
-  aimed = [i for i, w in enumerate(whole) if not w and i not in few]
-  chosen = _adapted(rule, values, previous, ks, aimed) if adapts and aimed else previous
-  if few:
-    chosen = chosen.at[np.asarray(few)].set(_exact_subset(values, few, [ks[i] for i in few]))
-  words = values.pack(chosen)
-  passed = segmented.passing_counts(words, values.segs)
-  redo = recompute | rule.drifted(passed, ks, capacities, [not w for w in whole],
-                                  previous > 0)
+  redo, counted = [], jnp.zeros((), jnp.int32)
+  for group, (chosen, last) in enumerate(zip(picked, previous)):
+    ks, whole = select.ks(layout, group), select.whole(layout, group)
+    sparse = [not w for w in whole]
+    drifted = rule.drifted(chosen.passed, ks, select.capacities(layout, group), sparse,
+                           last > 0)
+    redo.append(recompute | drifted)
+    counted = counted + jnp.where(redo[-1], sum(sparse), chosen.exact).astype(jnp.int32)
 
-  def recomputed():
-    thresholds = exact()
-    return thresholds, values.pack(thresholds)
+  def exact():
+    # Every group's buffer end to end: one select for all of them (a copy of
+    # the values, on the steps that recompute only).
+    everything = segmented.Segments(tuple(
+        size for group in range(len(accumulated)) for size in layout.buffer(group).sizes))
+    flat = jnp.concatenate(accumulated) if len(accumulated) > 1 else accumulated[0]
+    found = segmented.exact_thresholds(
+        flat, everything, [k for g in range(len(accumulated)) for k in select.ks(layout, g)],
+        [w for g in range(len(accumulated)) for w in select.whole(layout, g)])
+    return jnp.split(found, np.cumsum([len(g) for g in layout.groups])[:-1].tolist())
 
-  thresholds, words = lax.cond(redo, recomputed, lambda: (chosen, words))
-  return thresholds, words, jnp.where(redo, sparse, len(few)).astype(jnp.int32)
+  proposals = [chosen.thresholds for chosen in picked]
+  found = lax.cond(functools.reduce(jnp.logical_or, redo), exact, lambda: proposals)
+  return ([jnp.where(r, f, p) for r, f, p in zip(redo, found, proposals)], counted)
 
 
-def _exact_subset(values: segmented.Values, leaves: Sequence[int], ks) -> jax.Array:
-  """`segmented.exact_thresholds` of some of a group's leaves (float32 [len(leaves)])."""
-  sizes = [values.segs.sizes[i] for i in leaves]
-  subset = segmented.values_of([values.leaf(i) for i in leaves], segmented.segments_of(sizes),
-                               values.flat is not None)
-  return segmented.exact_thresholds(subset, ks, [False] * len(leaves))
-
-
-def _adapted(rule: rules.AdaptedReuse, values: segmented.Values, previous: jax.Array, ks,
-             aimed: Sequence[int]) -> jax.Array:
-  """Thresholds of the `aimed` leaves aimed at ``rule.target * k_l`` values, float32 [L].
-
-  The candidates are ``rule.factors()`` multiples of `previous`; their counts
-  fall with the threshold. Between the last candidate passing more than the
-  target and the next one, the threshold is interpolated linearly (count
-  against threshold): below a reused threshold, where the residual piles up,
-  the count is close to linear, and interpolating log(count) against
-  log(threshold) there overshot to 2-3 times the buffer (ResNet-20, density
-  0.01). A leaf whose every candidate passes more (fewer) takes the highest
-  (lowest) one. The other leaves (sent whole, or exact on every step) keep
-  `previous` and are not counted.
-  """
-  aimed_at = np.asarray(aimed)
-  factors = rule.factors()
-  trials = previous[aimed_at][:, None] * factors[None, :]
-  strides = [selection.coprime_stride(min(_MAX_COUNT_STRIDE, ks[i] // _COUNTED_NEAR_K),
-                                      values.segs.sizes[i]) for i in aimed]
-  counts = values.count_at(trials, strides, aimed).astype(jnp.float32) + 0.5
-  target = jnp.asarray(rule.target * np.asarray(ks, np.float32)[aimed_at])[:, None]
-  last_above = jnp.sum(counts > target, axis=1) - 1
-  lo = jnp.clip(last_above, 0, len(factors) - 2)[:, None]
-  c_lo = jnp.take_along_axis(counts, lo, axis=1)
-  c_hi = jnp.take_along_axis(counts, lo + 1, axis=1)
-  rise = c_lo - target
-  span = c_lo - c_hi
-  part = jnp.where(span > 0, rise / jnp.where(span > 0, span, 1.0), (rise > 0).astype(jnp.float32))
-  part = jnp.clip(part, 0.0, 1.0)[:, 0]
-  f_lo = jnp.asarray(factors)[lo[:, 0]]
-  f_hi = jnp.asarray(factors)[lo[:, 0] + 1]
-  return previous.at[aimed_at].set(previous[aimed_at] * (f_lo + part * (f_hi - f_lo)))
+def _exact_subset(flat: jax.Array, segs: segmented.Segments, leaves: Sequence[int], ks
+                  ) -> jax.Array:
+  """The exact thresholds of some of a buffer's leaves (float32 [len(leaves)])."""
+  samples, subset = segmented.leaf_samples(flat, segs, leaves, [1] * len(leaves))
+  return segmented.kth_largest(samples, subset, ks)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["values", "positions", "passed"], meta_fields=["capacities"])
+                   data_fields=["positions", "passed", "thresholds", "exact"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Picked:
   """A group's values that passed their thresholds, in fixed-capacity slots (`pick`)."""
-  values: segmented.Values     # the group's g = e + grad: laid out, or leaf by leaf
-  positions: jax.Array         # int32[sum(capacities)]: buffer positions, leaf after leaf; sentinel segs.length
-  passed: jax.Array            # int32[L]: values that passed per leaf (> its capacity on overflow)
-  capacities: tuple[int, ...]  # slots per leaf
-
-  def local(self) -> list[jax.Array]:
-    """Each leaf's slots as indices into the leaf (sentinel: its size)."""
-    return segmented.local_indices(self.positions, self.values.segs, self.capacities)
+  positions: jax.Array   # int32[sum(capacities)]: positions in the group's buffer, segment after segment; sentinel: the buffer's length
+  passed: jax.Array      # int32[segments]: values that passed per segment (> its capacity on overflow)
+  thresholds: Any        # float32[L]: the H_l DLGS selected with; None for the other kinds
+  exact: jax.Array       # int32[]: leaves among them computed exactly (DLGS's leaves of small k)
 
 
-def pick(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
-         previous: Optional[Sequence[jax.Array]] = None,
-         recompute: Optional[jax.Array] = None):
-  """Every group's values to send, in fixed-capacity slots: one path for every kind.
+def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
+         previous: Optional[jax.Array] = None) -> Picked:
+  """A group's values to send, in fixed-capacity slots: one path for every kind.
 
-  DLGS ("threshold") takes `step_thresholds` from `previous` on the schedule
-  `recompute` says; LAGS ("layer_topk") the exact k_l-th largest of every leaf
-  and Top-k ("group_topk") that of the whole group (one segment), on every
-  step. Then one compaction per group (`segmented.compact`).
+  DLGS ("threshold") selects at the thresholds its rule proposes from
+  `previous` (`propose`; `settle` then decides the next ones); LAGS
+  ("layer_topk") at the exact k_l-th largest of every leaf and Top-k
+  ("group_topk") at that of the whole group (one segment), on every step.
+  Then one compaction over the buffer (`segmented.compact`).
 
-  Returns:
-    ``(thresholds, picked, exact)``: float32 scalars per leaf (DLGS; None for
-    the others); per group its `Picked` (for `exchange.sparse_exchange`); the
-    int32 number of leaves whose threshold was computed exactly.
+  Args:
+    select: the selection.
+    layout: the static layout.
+    group: the group.
+    flat: g = residual + gradient of the group, laid out in its buffer (`accumulate`).
+    previous: DLGS only: float32 [L], the group's thresholds of the last step.
   """
-  thresholds: list[Any] = [None] * len(layout.sizes)
-  picked = []
-  exact = jnp.zeros((), jnp.int32)
-  for group, leaves in enumerate(layout.groups):
-    if select.kind == "group_topk":
-      parts = [concat_flat([accumulated[leaf] for leaf in leaves])]
-      ks, whole = [select.group_k(layout, group)], [False]
-      segs = segmented.segments_of([layout.group_size(group)])
-    else:
-      parts = [accumulated[leaf] for leaf in leaves]
-      ks = [select.leaf_k(layout, leaf) for leaf in leaves]
-      whole = [select.sent_whole(layout, leaf) for leaf in leaves]
-      segs = segmented.segments_of([layout.sizes[leaf] for leaf in leaves])
-    capacities = (tuple(ks) if select.kind == "group_topk" else
-                  tuple(select.leaf_capacity(layout, leaf) for leaf in leaves))
-    values = segmented.values_of(parts, segs, segmented.lay_out_by_default(segs.length))
-    if select.kind == "threshold":
-      found, words, group_exact = step_thresholds(
-          select, layout, leaves, values, jnp.stack([previous[leaf] for leaf in leaves]),
-          recompute)
-      exact = exact + group_exact
-      for i, leaf in enumerate(leaves):
-        thresholds[leaf] = found[i]
-      positions, passed = segmented.compact(words, values.segs, capacities)
-    else:
-      found = segmented.exact_thresholds(values, ks, whole)
-      at_or_above = values.pack(found)
-      above = values.pack(jnp.nextafter(found, jnp.inf))
-      positions, passed = segmented.compact_top(above, at_or_above & ~above, values.segs,
-                                                capacities)
-    picked.append(Picked(values, positions, passed, capacities))
-  return (thresholds if select.kind == "threshold" else None), picked, exact
+  segs = select.segments(layout, group)
+  ks, capacities = select.ks(layout, group), select.capacities(layout, group)
+  if select.kind == "threshold":
+    proposal = propose(select, layout, group, flat, previous)
+    positions, passed = segmented.compact(segmented.pack(flat, proposal.thresholds, segs), segs,
+                                          capacities)
+    return Picked(positions, passed, proposal.thresholds, proposal.exact)
+  found = segmented.exact_thresholds(flat, segs, ks, select.whole(layout, group))
+  at_or_above = segmented.pack(flat, found, segs)
+  above = segmented.pack(flat, jnp.nextafter(found, jnp.inf), segs)
+  positions, passed = segmented.compact_top(above, at_or_above & ~above, segs, capacities)
+  return Picked(positions, passed, None, jnp.zeros((), jnp.int32))
+
+
+def pick_at(select: Selection, layout: Layout, group: int, flat: jax.Array,
+            thresholds: jax.Array) -> Picked:
+  """A group's values at or above thresholds given as they are (DGC's estimates).
+
+  Args:
+    select: the selection (its capacities size the slots).
+    layout: the static layout.
+    group: the group.
+    flat: its values laid out in its buffer.
+    thresholds: float32 [L], one per leaf of the group.
+  """
+  segs = layout.buffer(group)
+  words = segmented.pack(flat, thresholds, segs)
+  positions, passed = segmented.compact(words, segs, select.capacities(layout, group))
+  return Picked(positions, passed, thresholds, jnp.zeros((), jnp.int32))

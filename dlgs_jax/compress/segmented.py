@@ -1,13 +1,14 @@
-"""Threshold selection over every leaf at once.
+"""Threshold selection over every leaf of a buffer at once.
 
 DLGS picks, in each leaf l, the values with ``|g| >= H_l`` (Ju et al. 2024,
 Algorithm 1). Done leaf by leaf, every step launches a few kernels per leaf
 and, where thresholds are recomputed only sometimes, a conditional per leaf --
 on a GPU each conditional waits for its predicate on the host and the small
-kernels are launch-bound. Here the leaves are laid end to end in one float32
+kernels are launch-bound. Here a group's leaves live end to end in one float32
 buffer (`Segments`), each padded with zeros to a multiple of 32 so that every
-32-value word of a packed mask belongs to one leaf, and every pass handles all
-leaves together:
+32-value word of a packed mask belongs to one leaf; the transforms keep their
+error-feedback residuals in that layout, so a step adds the gradients into it
+once and every pass handles all leaves together:
 
 * `pack`: one comparison against per-leaf thresholds broadcast by word, the
   mask packed 32 to a word (zeros never pass);
@@ -15,24 +16,18 @@ leaves together:
 * `kth_largest`: exact k_l-th largest ``|g|`` of every leaf by a radix
   select on the float's bits (three histogram passes, no sort, no
   conditional, no data-dependent loop);
-* `compact`: indices of the passing values into per-leaf fixed-capacity
-  buffers, the first ones in index order (`threshold_indices`: one array);
-* `exact_thresholds`: `kth_largest` of a laid-out buffer; leaf by leaf
-  (large groups on CPU), of candidates above a strided sample's lower bound,
-  with one conditional for the whole leaves where a bound misses.
+* `compact`: positions of the passing values in per-leaf fixed-capacity
+  slots, the first ones in index order;
+* `count_at`: values passing several thresholds per leaf, from strided samples.
 
 The number of kernels and conditionals of these passes does not depend on the
-number of leaves.
-
-Every exact threshold of the package comes from `exact_thresholds` (DLGS on
-any backend and group size; DGC's fallback through `exact_threshold`).
-Whether a group is laid out is decided by the caller
-(`lay_out_by_default`) through `values_of`.
+number of leaves. Every threshold of the package comes from here: DLGS's,
+LAGS's and Top-k's exact ones (`exact_thresholds`) and DGC's fallback
+(`exact_threshold`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -86,47 +81,15 @@ def segments_of(sizes: Sequence[int]) -> Segments:
   return Segments(sizes)
 
 
-# On CPU a laid-out group costs a copy of its values every step, which XLA:CPU
-# allocates afresh. Up to this many values the copy costs less than the few
-# kernels per leaf it saves, and the update compiles in a third to a half of the
-# time; past it (VGG16's large leaves) the leaves are cheaper as they are
-# (`experiments/layout_views.py`).
-CPU_LAY_OUT_MAX = 1 << 21
-
-
-def lay_out_by_default(length: int) -> bool:
-  """Whether selection lays a group of `length` values out in one buffer (`Values`).
-
-  On accelerators always: one pass over one buffer replaces a few kernels per
-  leaf. On CPU, where a kernel costs little and a pass its bytes, groups of up
-  to `CPU_LAY_OUT_MAX` values.
-  """
-  return jax.default_backend() != "cpu" or length <= CPU_LAY_OUT_MAX
-
-
-@contextlib.contextmanager
-def forced_view(laid_out: Optional[bool]):
-  """Within the block, every group is laid out (True) or kept leaf by leaf (False).
-
-  For measurements that compare the two views of the same program; None keeps
-  `lay_out_by_default`'s choice. Programs traced inside the block keep their view.
-  """
-  global lay_out_by_default
-  chosen = lay_out_by_default
-  if laid_out is not None:
-    lay_out_by_default = lambda *_: laid_out
-  try:
-    yield
-  finally:
-    lay_out_by_default = chosen
-
-
 def lay_out(leaves: Sequence[jax.Array], segs: Segments) -> jax.Array:
   """The leaves as one float32 buffer of `segs.length` values, zero padded per leaf."""
   parts = []
   for leaf, size, words in zip(leaves, segs.sizes, segs.words):
-    flat = leaf.reshape(-1).astype(jnp.float32)
-    parts.append(jnp.pad(flat, (0, WORD * words - size)) if WORD * words > size else flat)
+    parts.append(leaf.reshape(-1).astype(jnp.float32))
+    if WORD * words > size:
+      # Zeros joined in, not a pad of each leaf: XLA then lays every leaf out in
+      # one fused concatenation instead of a kernel per padded leaf.
+      parts.append(jnp.zeros((WORD * words - size,), jnp.float32))
   return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
@@ -336,31 +299,6 @@ def compact_top(above: jax.Array, ties: jax.Array, segs: Segments, capacities: S
   return jnp.where(local < taken_here, first, second[from_second]), taken + tied
 
 
-def threshold_indices(x: jax.Array, threshold: jax.Array, capacity: int
-                      ) -> tuple[jax.Array, jax.Array]:
-  """Flat indices of one array's values with ``|x| >= threshold`` and ``x != 0``.
-
-  `pack` and `compact` of a single leaf. At most `capacity` indices are
-  returned, the first ones in flat index order; values that pass but do not
-  fit are not selected (the caller keeps them in its residual). Zeros are
-  never selected: sending them moves nothing.
-
-  Args:
-    x: any-shaped array.
-    threshold: scalar.
-    capacity: static buffer size, 1 <= capacity <= x.size.
-
-  Returns:
-    ``(indices, passed)``: int32[capacity] indices in increasing order, padded
-    with the sentinel ``x.size``, and the int32 number of values that passed
-    the threshold (possibly more than `capacity`).
-  """
-  segs = segments_of([x.size])
-  words = pack(lay_out([x], segs), jnp.reshape(threshold, (1,)).astype(jnp.float32), segs)
-  positions, passed = compact(words, segs, [capacity])
-  return local_indices(positions, segs, [capacity])[0], passed[0]
-
-
 def local_indices(positions: jax.Array, segs: Segments, capacities: Sequence[int]
                   ) -> list[jax.Array]:
   """`compact`'s positions as each leaf's own indices (sentinel: the leaf's size)."""
@@ -375,136 +313,67 @@ def _split(buffer: jax.Array, lengths: Sequence[int]) -> list[jax.Array]:
   return jnp.split(buffer, bounds) if len(lengths) > 1 else [buffer]
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["flat", "leaves"], meta_fields=["segs"])
-@dataclasses.dataclass(frozen=True)
-class Values:
-  """Every leaf's values for one step: one laid-out buffer, or the leaves as they are.
+def leaf_samples(flat: jax.Array, segs: Segments, leaves: Sequence[int],
+                 strides: Sequence[int]) -> tuple[jax.Array, Segments]:
+  """Every stride-th value of some leaves, laid out as a buffer of their own.
 
-  Both give the same words, samples and values. The buffer makes each pass
-  one kernel over all leaves (accelerators, and groups of up to
-  `CPU_LAY_OUT_MAX` values on CPU); leaf by leaf avoids writing a copy
-  of the group, which XLA:CPU allocates afresh every step, and which for large
-  groups costs more than the passes themselves (experiments/performance_notes.md).
+  One gather over the buffer, whatever the number of leaves: each word of the
+  sample knows its leaf from a table of one entry per word, as `pack` does.
+
+  Args:
+    flat: a buffer laid out by `segs`.
+    segs: its layout.
+    leaves: the leaves sampled.
+    strides: per leaf sampled, >= 1 (1: the whole leaf).
+
+  Returns:
+    ``(samples, sample_segs)``: the samples laid out (zero padded per leaf, as
+    `lay_out` does) and their layout.
   """
-  segs: Segments
-  flat: Optional[jax.Array] = None
-  leaves: Optional[tuple] = None
-
-  def pack(self, thresholds: jax.Array) -> jax.Array:
-    """`pack` of every leaf: uint32[W] for thresholds [L], [W, M] for [L, M]."""
-    if self.flat is not None:
-      return pack(self.flat, thresholds, self.segs)
-    parts = []
-    for i, (leaf, size) in enumerate(zip(self.leaves, self.segs.sizes)):
-      one = Segments((size,))
-      parts.append(pack(lay_out([leaf], one), thresholds[i:i + 1], one))
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-
-  def leaf(self, i: int) -> jax.Array:
-    """Leaf i's values, flat float32."""
-    if self.flat is not None:
-      offset = self.segs.offsets[i]
-      return self.flat[offset:offset + self.segs.sizes[i]]
-    return self.leaves[i].reshape(-1).astype(jnp.float32)
-
-  def take(self, positions: jax.Array, capacities: Sequence[int]) -> jax.Array:
-    """The values at `compact`'s positions (0 at the sentinel), float32."""
-    if self.flat is not None:
-      return self.flat.at[positions].get(mode="fill", fill_value=0.0)
-    parts = [self.leaf(i).at[local].get(mode="fill", fill_value=0.0)
-             for i, local in enumerate(local_indices(positions, self.segs, capacities))]
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-
-  def count_at(self, thresholds: jax.Array, strides: Sequence[int],
-               leaves: Optional[Sequence[int]] = None) -> jax.Array:
-    """Values ``|x| >= t`` (and nonzero) per leaf and threshold, from a sample.
-
-    Args:
-      thresholds: float32 [N, M], M thresholds for each leaf counted.
-      strides: per leaf counted, the count takes every stride-th value and
-        scales by the stride (an estimate where the stride is > 1).
-      leaves: the N leaves counted (default: all, in order).
-
-    Returns:
-      int32 [N, M].
-    """
-    leaves = range(len(self.segs.sizes)) if leaves is None else leaves
-    parts = [self.leaf(i)[::stride] for i, stride in zip(leaves, strides)]
-    if self.flat is None:
-      counts = jnp.stack([_count_leaf(part, thresholds[i]) for i, part in enumerate(parts)])
-    else:
-      sample_segs = Segments(tuple(part.shape[0] for part in parts))
-      counts = passing_counts(pack(lay_out(parts, sample_segs), thresholds, sample_segs),
-                              sample_segs)
-    return counts * _int32(strides)[:, None]
-
-  def kth_largest(self, ks: Sequence[int]) -> jax.Array:
-    """`kth_largest` of every whole leaf (laid out first in either view)."""
-    flat = self.flat if self.flat is not None else lay_out(self.leaves, self.segs)
-    return kth_largest(flat, self.segs, ks)
+  counts = [-(-segs.sizes[i] // stride) for i, stride in zip(leaves, strides)]
+  sample_segs = Segments(tuple(counts))
+  starts = np.asarray([segs.offsets[i] for i in leaves], np.int64)
+  first_word = sample_segs.word_ends - np.asarray(sample_segs.words)
+  # Per word of the sample: where its leaf starts in `flat`, its stride, and
+  # the rank in the sample of the word's first value.
+  base = per_word(jnp.asarray(starts, jnp.int32), sample_segs)
+  step = per_word(jnp.asarray(strides, jnp.int32), sample_segs)
+  rank = (jnp.arange(sample_segs.num_words, dtype=jnp.int32)
+          - per_word(jnp.asarray(first_word, jnp.int32), sample_segs))[:, None] * WORD
+  rank = rank + jnp.arange(WORD, dtype=jnp.int32)[None, :]
+  inside = rank < per_word(jnp.asarray(counts, jnp.int32), sample_segs)[:, None]
+  source = jnp.where(inside, base[:, None] + rank * step[:, None], segs.length)
+  return flat.at[source.reshape(-1)].get(mode="fill", fill_value=0.0), sample_segs
 
 
-def _count_leaf(values: jax.Array, thresholds: jax.Array) -> jax.Array:
-  """Values of one flat leaf passing each of thresholds [M]: int32 [M], from packed words.
+def count_at(flat: jax.Array, segs: Segments, thresholds: jax.Array, strides: Sequence[int],
+             leaves: Sequence[int]) -> jax.Array:
+  """Values ``|x| >= t`` (and nonzero) per leaf and threshold, from strided samples.
 
-  Summing the comparisons along the leaf instead made XLA:CPU write the [M, n]
-  comparisons out before reducing them (ResNet-50, 7 thresholds: ~8x slower).
+  Args:
+    flat: a buffer laid out by `segs`.
+    segs: its layout.
+    thresholds: float32 [N, M], M thresholds for each of the N leaves counted.
+    strides: per leaf counted, the count takes every stride-th value and
+      scales by the stride (an estimate where the stride is > 1).
+    leaves: the N leaves counted.
+
+  Returns:
+    int32 [N, M].
   """
-  one = Segments((values.shape[0],))
-  words = pack(lay_out([values], one), thresholds[None, :], one)
-  return jnp.sum(lax.population_count(words).astype(jnp.int32), axis=0)
+  samples, sample_segs = leaf_samples(flat, segs, leaves, strides)
+  counts = passing_counts(pack(samples, thresholds, sample_segs), sample_segs)
+  return counts * _int32(strides)[:, None]
 
 
-def values_of(leaves: Sequence[jax.Array], segs: Segments, laid_out: bool) -> Values:
-  """`Values` of the leaves: laid out in one buffer, or kept leaf by leaf."""
-  if laid_out:
-    return Values(segs, flat=lay_out(leaves, segs))
-  return Values(segs, leaves=tuple(leaves))
-
-
-def exact_thresholds(values: Values, ks: Sequence[int], whole: Sequence[bool]) -> jax.Array:
+def exact_thresholds(flat: jax.Array, segs: Segments, ks: Sequence[int],
+                     whole: Sequence[bool]) -> jax.Array:
   """Every leaf's exact k_l-th largest ``|x|`` (float32 [L]; 0 for leaves sent whole).
 
-  Laid out (accelerators): `kth_largest` of the whole buffer, three passes
-  and no conditional, so an exact step is the reuse step's program plus a
-  fixed handful of kernels.
-
-  Leaf by leaf (large groups on CPU, where a pass costs its bytes and a kernel little):
-  per large leaf a strided sample gives a lower bound that about 1.5 k_l
-  values exceed; the values above the bounds are compacted into buffers of
-  about 2 k_l (small leaves: all their values) and `kth_largest` runs on
-  those, a few percent of the bytes. Where a bound misses (fewer than k_l or
-  more than the buffer pass, unless the bound is 0 and every nonzero value
-  passed), one conditional runs `kth_largest` on the whole leaves, so the
-  result is always exact.
+  `kth_largest` of the whole buffer: three passes and no conditional, so an
+  exact step is the reuse step's program plus a fixed handful of kernels.
   """
-  segs = values.segs
-  if values.flat is not None:
-    return jnp.where(jnp.asarray(whole), 0.0, kth_largest(values.flat, segs, ks))
-  large = [leaf for leaf, (size, k) in enumerate(zip(segs.sizes, ks))
-           if not whole[leaf] and size > selection.SMALL_LEAF and 2 * k < size // 2]
-  bounds = jnp.where(jnp.asarray(whole), jnp.inf, 0.0).astype(jnp.float32)
-  if large:
-    bounds = bounds.at[np.asarray(large)].set(_sample_bounds(values, ks, large))
-  capacities = [WORD * -(-2 * ks[leaf] // WORD) if leaf in large
-                else WORD if whole[leaf] else WORD * segs.words[leaf]
-                for leaf in range(len(segs.sizes))]
-  positions, passed = compact(values.pack(bounds), segs, capacities)
-  found = kth_largest(values.take(positions, capacities), Segments(tuple(capacities)), ks)
-  if not large:
-    return jnp.where(jnp.asarray(whole), 0.0, found)
-  is_large = np.zeros(len(segs.sizes), bool)
-  is_large[large] = True
-  # A bound of 0 lets every nonzero value pass: fewer than k_l of them make the
-  # k_l-th largest 0, which is what the candidates give (an all-zero leaf would
-  # otherwise run the whole-leaf select only to find 0).
-  short = (passed < _int32(ks)) & (bounds > 0)
-  missed = jnp.asarray(is_large) & (short | (passed > _int32(capacities)))
-  found = lax.cond(jnp.any(missed),
-                   lambda: jnp.where(missed, values.kth_largest(ks), found),
-                   lambda: found)
-  return jnp.where(jnp.asarray(whole), 0.0, found)
+  return jnp.where(jnp.asarray(whole), 0.0, kth_largest(flat, segs, ks))
 
 
 def exact_threshold(x: jax.Array, k: int) -> jax.Array:
@@ -518,26 +387,8 @@ def exact_threshold(x: jax.Array, k: int) -> jax.Array:
     k: 1 <= k <= x.size.
   """
   segs = segments_of([int(np.prod(x.shape, dtype=np.int64))])
-  return exact_thresholds(values_of([x], segs, lay_out_by_default(segs.length)), [k],
-                          [False])[0]
+  return kth_largest(lay_out([x], segs), segs, [k])[0]
 
 
 def _int32(numbers: Sequence[int]) -> jax.Array:
   return jnp.asarray(np.asarray(numbers, np.int64).clip(max=np.iinfo(np.int32).max), jnp.int32)
-
-
-def _sample_bounds(values: Values, ks, large):
-  """Lower bounds for the large leaves from strided samples (float32 [len(large)])."""
-  parts, sample_sizes, ranks = [], [], []
-  for leaf in large:
-    size, k = values.segs.sizes[leaf], ks[leaf]
-    # >= 128 n/k samples put ~190 sample values above the bound: the candidate
-    # count then has a relative spread of ~7% around 1.5 k.
-    stride = selection.sample_stride(size, k)
-    sample = values.leaf(leaf)[::stride]
-    count = sample.shape[0]
-    parts.append(jnp.pad(sample, (0, -count % WORD)))
-    sample_sizes.append(count)
-    ranks.append(max(1, math.ceil(count * 1.5 * k / size)))
-  samples = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-  return kth_largest(samples, Segments(tuple(sample_sizes)), ranks, bits=_BOUND_BITS)

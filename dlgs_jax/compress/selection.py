@@ -2,7 +2,7 @@
 
 Every method picks values one way, with static output shapes so it runs under
 `jax.jit`: threshold selection into a fixed-capacity buffer
-(`segmented.compact`, one array through `segmented.threshold_indices`), one
+(`segmented.pack` and `segmented.compact`), one
 elementwise comparison and a prefix sum, O(n) -- the cheap path DLGS takes on
 the steps where it reuses a threshold (Ju et al. 2024, Algorithm 1). An exact
 top-k is the same selection at the exact k-th largest value

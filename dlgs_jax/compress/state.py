@@ -8,32 +8,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlgs_jax.compress import segmented
+
 
 @jax.tree_util.register_pytree_node_class
 class MessageGroups:
-  """The leaf paths of each message (group) a transform sends: static, no arrays.
+  """The leaf paths (and shapes) of each message (group) a transform sends: static, no arrays.
 
   A pytree node without children, so it rides in a state's structure through
   jit, shard_map and checkpoints, and labels `CommStats.selected` and
-  `CommStats.passed` entry by entry.
+  `CommStats.passed` entry by entry. Where the transform keeps a flat buffer
+  per group (`DLGSState`, `SparseState`), the shapes say where each leaf lies
+  in it (`leaf_residuals`).
   """
 
-  def __init__(self, groups: Sequence[Sequence[str]] = ()):
+  def __init__(self, groups: Sequence[Sequence[str]] = (),
+               shapes: Optional[Sequence[Sequence[tuple[int, ...]]]] = None):
     self.paths = tuple(tuple(group) for group in groups)
+    self.shapes = (None if shapes is None else
+                   tuple(tuple(tuple(int(d) for d in shape) for shape in group)
+                         for group in shapes))
 
   def tree_flatten(self):
-    return (), self.paths
+    return (), (self.paths, self.shapes)
 
   @classmethod
-  def tree_unflatten(cls, paths, children):
+  def tree_unflatten(cls, aux, children):
     del children
-    return cls(paths)
+    paths, shapes = aux
+    return cls(paths, shapes)
 
   def __eq__(self, other):
-    return isinstance(other, MessageGroups) and other.paths == self.paths
+    return (isinstance(other, MessageGroups) and other.paths == self.paths
+            and other.shapes == self.shapes)
 
   def __hash__(self):
-    return hash(self.paths)
+    return hash((self.paths, self.shapes))
 
   def __len__(self):
     return len(self.paths)
@@ -51,21 +61,33 @@ class CommStats(NamedTuple):
   skipped: jax.Array         # int32[]: steps skipped so far because a gradient was not finite
   exact: jax.Array           # int32[]: leaves whose threshold was computed exactly this step (DLGS; 0 for the others)
   total_sent: Any = None     # uint32[2]: bytes sent since init, (low, high) 32-bit words: `total_bytes`
-  groups: Any = MessageGroups()  # static: the leaf paths of each group (no arrays)
+  groups: Any = MessageGroups()  # static: the leaf paths (and shapes) of each group (no arrays)
+
+
+# How `DLGSState` and `SparseState` keep their residuals, as a run's identity
+# names it: checkpoints of runs before flat buffers held a tree of residuals
+# shaped like the parameters (and one threshold per leaf) and name no layout.
+LAYOUT = "flat buffers per group"
 
 
 class DLGSState(NamedTuple):
-  """State of `dlgs` (Ju et al. 2024, Algorithm 1)."""
+  """State of `dlgs` (Ju et al. 2024, Algorithm 1).
+
+  The residuals of a group's leaves lie end to end in one flat buffer, each
+  leaf padded with zeros to a multiple of 32 values (`engine.Layout.buffer`):
+  a step adds the gradients into it and selects over it in a fixed number of
+  passes. `leaf_residuals` reads them back leaf by leaf.
+  """
   count: jax.Array   # int32[]: steps taken (skipped steps not counted)
-  residuals: Any     # params-shaped tree, gradient dtype: error feedback e, what was not sent yet
-  thresholds: Any    # params-structured tree of float32[]: H_l per leaf, exact every `reuse_every` steps
+  residuals: tuple   # per group, float32[buffer] (the residual dtype): error feedback e, what was not sent yet
+  thresholds: tuple  # per group, float32[leaves]: H_l of its leaves, exact every `every` steps
   stats: CommStats
 
 
 class SparseState(NamedTuple):
-  """State of `lags`, `topk` and `gtopk`."""
+  """State of `lags`, `topk` and `gtopk`: residuals as `DLGSState`'s."""
   count: jax.Array   # int32[]: steps taken (skipped steps not counted)
-  residuals: Any     # params-shaped tree, gradient dtype: error feedback e
+  residuals: tuple   # per group, float32[buffer] (the residual dtype): error feedback e
   stats: CommStats
 
 
@@ -80,9 +102,13 @@ def is_per_worker(node: Any) -> bool:
   return isinstance(node, (DLGSState, SparseState, DenseState, TernGradState, DGCState))
 
 
-def empty_stats(groups: Sequence[Sequence[str]]) -> CommStats:
-  """The statistics before the first step, for messages of `groups` (lists of leaf paths)."""
-  groups = MessageGroups(groups)
+def empty_stats(groups: Sequence[Sequence[str]],
+                shapes: Optional[Sequence[Sequence[tuple[int, ...]]]] = None) -> CommStats:
+  """The statistics before the first step, for messages of `groups` (lists of leaf paths).
+
+  `shapes`, the leaves' shapes group by group, where the state keeps flat buffers.
+  """
+  groups = MessageGroups(groups, shapes)
   return CommStats(
       bytes_sent=jnp.zeros((), jnp.float32),
       bytes_received=jnp.zeros((), jnp.float32),
@@ -106,7 +132,7 @@ def step_stats(previous: CommStats, sent, received, selected, passed, exact=None
 
 def skipped_stats(previous: CommStats) -> CommStats:
   """The statistics of a skipped step: nothing sent, one more skip, the total kept."""
-  return empty_stats(previous.groups.paths)._replace(
+  return empty_stats(previous.groups.paths, previous.groups.shapes)._replace(
       skipped=previous.skipped + 1, total_sent=previous.total_sent)
 
 
@@ -196,6 +222,59 @@ def comm_report(opt_state: Any) -> dict[str, dict]:
         "groups": [{"paths": list(paths), "selected": float(s), "passed": float(p)}
                    for paths, s, p in zip(stats.groups.paths, selected, passed)]}
   return report
+
+
+def leaf_residuals(state: Any) -> dict[str, Any]:
+  """The error-feedback residual of every leaf of a `DLGSState` or `SparseState`, by path.
+
+  Args:
+    state: the state (arrays or host arrays), with or without a leading
+      worker axis on its buffers.
+
+  Returns:
+    ``{leaf path: residual}`` in the leaf's shape, after the worker axis if any.
+
+  Raises:
+    ValueError: for a state that keeps no flat residual buffers.
+  """
+  groups = getattr(getattr(state, "stats", None), "groups", None)
+  if not isinstance(state, (DLGSState, SparseState)) or groups is None or groups.shapes is None:
+    raise ValueError(f"leaf_residuals reads a DLGSState or SparseState, got "
+                     f"{type(state).__name__}")
+  out = {}
+  for flat, paths, shapes in zip(state.residuals, groups.paths, groups.shapes):
+    segs = segmented.segments_of([int(np.prod(shape, dtype=np.int64)) for shape in shapes])
+    for path, shape, offset in zip(paths, shapes, segs.offsets):
+      size = int(np.prod(shape, dtype=np.int64))
+      out[path] = flat[..., offset:offset + size].reshape(flat.shape[:-1] + tuple(shape))
+  return out
+
+
+def with_leaf_residuals(state: Any, residuals: dict[str, Any]) -> Any:
+  """`state` whose flat buffers hold `residuals`, given by leaf path: `leaf_residuals`'s inverse.
+
+  Host arrays (NumPy), with any leading axes (a worker axis) before each
+  leaf's shape; the leaves' padding in the buffers is zero.
+
+  Args:
+    state: a `DLGSState` or `SparseState` (its `stats.groups` say the layout).
+    residuals: ``{leaf path: array}`` for every leaf of the state.
+
+  Returns:
+    The state with new ``residuals`` buffers, in the old buffers' dtypes.
+  """
+  groups = state.stats.groups
+  buffers = []
+  for flat, paths, shapes in zip(state.residuals, groups.paths, groups.shapes):
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    segs = segmented.segments_of(sizes)
+    first = np.asarray(residuals[paths[0]])
+    lead = first.shape[:first.ndim - len(shapes[0])]
+    out = np.zeros(lead + (segs.length,), np.dtype(flat.dtype))
+    for path, size, offset in zip(paths, sizes, segs.offsets):
+      out[..., offset:offset + size] = np.asarray(residuals[path]).reshape(lead + (size,))
+    buffers.append(out)
+  return state._replace(residuals=tuple(buffers))
 
 
 class TernGradState(NamedTuple):

@@ -82,47 +82,49 @@ def _sparse_transform(
 
   def init_fn(params):
     layout = layout_of(params)
-    residuals = jax.tree_util.tree_map(
-        lambda p: jnp.zeros(jnp.shape(p), common.residual_dtype_for(p, residual_dtype)), params)
+    residuals = tuple(jnp.zeros((layout.buffer(g).length,), residual_dtype)
+                      for g in range(len(layout.groups)))
     count = jnp.zeros((), jnp.int32)
-    stats = empty_stats(layout.group_paths())
+    stats = empty_stats(layout.group_paths(), layout.group_shapes())
     if with_thresholds:
-      thresholds = jax.tree_util.tree_map(
-          lambda _: jnp.zeros((), jnp.float32), params)
+      thresholds = tuple(engine.initial_thresholds(select, layout, g)
+                         for g in range(len(layout.groups)))
       return DLGSState(count, residuals, thresholds, stats)
     return SparseState(count, residuals, stats)
 
   def update_fn(updates, state, params=None):
     del params
-    common.check_matches(updates, state.residuals, "the optimizer state")
     layout = layout_of(updates)
+    common.check_buffers(updates, layout, state.residuals, state.stats.groups)
     grads = jax.tree_util.tree_leaves(updates)
-    old_residuals = jax.tree_util.tree_leaves(state.residuals)
-    accumulated = [e + g.astype(e.dtype) for e, g in zip(old_residuals, grads)]
-    old_thresholds = (jax.tree_util.tree_leaves(state.thresholds)
-                      if with_thresholds else None)
-    thresholds, picked, exact = engine.pick(
-        select, layout, accumulated, old_thresholds,
-        state.count % reuse_every == 0 if with_thresholds else None)
+    accumulated, picked = [], []
+    for group in range(len(layout.groups)):
+      flat = engine.accumulate(layout, group, state.residuals[group], grads)
+      accumulated.append(flat)
+      picked.append(engine.pick(select, layout, group, flat,
+                                state.thresholds[group] if with_thresholds else None))
     out = exchange.sparse_exchange(
-        layout, select, collective, accumulated, thresholds, axis_name=axis_name,
-        picked=picked, wire_dtype=wire_dtype, previous=old_residuals,
-        skip_nonfinite=skip_nonfinite)
+        layout, select, collective, accumulated, picked, axis_name=axis_name,
+        wire_dtype=wire_dtype, previous=state.residuals, skip_nonfinite=skip_nonfinite)
     applied = out.applied
     keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(applied, a, b), new, old)
+    exact = jnp.zeros((), jnp.int32)
+    if with_thresholds:
+      settled, exact = engine.settle(select, layout, accumulated, picked, state.thresholds,
+                                     state.count % reuse_every == 0)
     stats = keep(step_stats(state.stats, out.bytes_sent, out.bytes_received, out.selected,
                             out.passed, exact), skipped_stats(state.stats))
     count = state.count + applied.astype(jnp.int32)
-    if with_thresholds:
-      thresholds = keep(list(thresholds), old_thresholds)
+    sent, residuals = common.round_into_buffers(layout, out.means, out.residuals, grads)
+    residuals = tuple(r.astype(old.dtype) for r, old in zip(residuals, state.residuals))
+    thresholds = (tuple(keep(new, old) for new, old in zip(settled, state.thresholds))
+                  if with_thresholds else None)
     residuals, thresholds, stats, count = common.as_varying(
-        (out.residuals, thresholds, stats, count), axis_name)
-    unflatten = lambda leaves: jax.tree_util.tree_unflatten(layout.treedef, leaves)
-    sent, residuals = common.round_into_residuals(out.means, residuals, grads)
-    new_updates = unflatten(sent)
+        (residuals, thresholds, stats, count), axis_name)
+    new_updates = jax.tree_util.tree_unflatten(layout.treedef, sent)
     if with_thresholds:
-      return new_updates, DLGSState(count, unflatten(residuals), unflatten(thresholds), stats)
-    return new_updates, SparseState(count, unflatten(residuals), stats)
+      return new_updates, DLGSState(count, residuals, thresholds, stats)
+    return new_updates, SparseState(count, residuals, stats)
 
   return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name,
                                     DLGSState if with_thresholds else SparseState, method)

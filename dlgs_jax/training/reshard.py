@@ -24,7 +24,9 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from dlgs_jax.compress.state import is_per_worker
+from dlgs_jax.compress import grouping
+from dlgs_jax.compress.state import (DLGSState, SparseState, is_per_worker, leaf_residuals,
+                                     with_leaf_residuals)
 
 # State fields that hold gradient mass (`compress.state`): redistributed, their mass kept.
 MASS_FIELDS = frozenset({"residuals", "velocity"})
@@ -154,7 +156,8 @@ def change_exchange(opt_state: Any, target: Any, params: Any, old_fast: int,
   if [type(n) for n in old_nodes] != [type(n) for n in new_nodes]:
     raise ValueError(f"the checkpoint's transforms {[type(n).__name__ for n in old_nodes]} "
                      f"are not this run's {[type(n).__name__ for n in new_nodes]}")
-  shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params)]
+  shapes = dict(zip(grouping.leaf_paths(params),
+                    (tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params))))
   moved = iter([_move_node(old, new, shapes, old_fast, new_fast)
                 for old, new in zip(old_nodes, new_nodes)])
   replaced = jax.tree_util.tree_map(lambda node: next(moved) if is_per_worker(node) else node,
@@ -166,23 +169,67 @@ def _per_worker_nodes(tree: Any) -> list:
   return [n for n in jax.tree_util.tree_leaves(tree, is_leaf=is_per_worker) if is_per_worker(n)]
 
 
-def _move_node(old: Any, new: Any, shapes: list, old_fast: int, new_fast: int) -> Any:
+def _move_node(old: Any, new: Any, shapes: dict, old_fast: int, new_fast: int) -> Any:
   """One transform's state for the new workers: mass dealt out again, the rest one row each."""
   fields = {}
+  flat = isinstance(new, (DLGSState, SparseState))
   for name in new._fields:
     saved, wanted = getattr(old, name), getattr(new, name)
-    if name in MASS_FIELDS:
+    if name in MASS_FIELDS and flat:
+      fields[name] = _dealt_buffers(old, new, shapes, old_fast, new_fast)
+    elif name in MASS_FIELDS:
       # The residual trees mirror the parameters: leaf i is parameter i's.
       rows = [dealt_mass(whole_mass(o, shape, old_fast), n.shape[0], new_fast,
                          tuple(n.shape[1:]), n.dtype)
               for o, n, shape in zip(jax.tree_util.tree_leaves(saved),
-                                     jax.tree_util.tree_leaves(wanted), shapes)]
+                                     jax.tree_util.tree_leaves(wanted), shapes.values())]
       fields[name] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(wanted), rows)
+    elif name == "thresholds" and flat:
+      fields[name] = _thresholds_by_path(old, new)
     else:
-      fields[name] = jax.tree_util.tree_map(
-          lambda o, n: np.broadcast_to(_one_row(np.asarray(o)), n.shape).astype(n.dtype),
-          saved, wanted)
+      # Leaf by leaf: the groups' static labels (shapes of slices or of whole
+      # leaves) are the new state's.
+      rows = [_one_row_for(o, n) for o, n in zip(jax.tree_util.tree_leaves(saved),
+                                                 jax.tree_util.tree_leaves(wanted))]
+      fields[name] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(wanted), rows)
   return type(new)(**fields)
+
+
+def _one_row_for(saved, wanted):
+  """`_one_row` of a saved per-worker leaf, for every new worker; the new one where shapes differ.
+
+  A grouping that differs between the two exchanges (buckets of slices against
+  buckets of whole leaves) gives per-group statistics of another length: those
+  start afresh.
+  """
+  saved = np.asarray(saved)
+  if saved.shape[1:] != tuple(wanted.shape[1:]):
+    return np.asarray(wanted)
+  return np.broadcast_to(_one_row(saved), wanted.shape).astype(wanted.dtype)
+
+
+def _dealt_buffers(old: Any, new: Any, shapes: dict, old_fast: int, new_fast: int) -> tuple:
+  """The new flat residual buffers (one per group) holding the saved residuals' mass."""
+  saved = leaf_residuals(old)
+  groups = new.stats.groups
+  workers = new.residuals[0].shape[0]
+  dealt = {path: dealt_mass(whole_mass(saved[path], shapes[path], old_fast), workers, new_fast,
+                            tuple(shape), np.float64)
+           for paths, leaf_shapes in zip(groups.paths, groups.shapes)
+           for path, shape in zip(paths, leaf_shapes)}
+  return with_leaf_residuals(new, dealt).residuals
+
+
+def _thresholds_by_path(old: Any, new: Any) -> tuple:
+  """Each leaf's saved threshold (one row, `_one_row`) in the new state's groups."""
+  saved = {path: _one_row(np.asarray(row)[:, i])
+           for paths, row in zip(old.stats.groups.paths, old.thresholds)
+           for i, path in enumerate(paths)}
+  out = []
+  for paths, wanted in zip(new.stats.groups.paths, new.thresholds):
+    row = np.asarray([saved[path] for path in paths], np.float32)
+    out.append(np.broadcast_to(row, wanted.shape).astype(wanted.dtype))
+  return tuple(out)
 
 
 def _keep_saved(saved: Any, target: Any) -> Any:

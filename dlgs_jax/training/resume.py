@@ -29,10 +29,13 @@ def restore_or_start(run: Run, ckpt) -> int:
       run.state, record = ckpt.restore_latest_good(run.state, allow=EXTENDABLE)
       _check_extension(run, record)
     except checkpoint.CheckpointMismatch as e:
-      if not set(e.differences) <= RESHARDABLE or not {"workers", "exchange"} & set(
+      if "state_layout" in e.differences:
+        record = _restore_per_leaf(run, ckpt, e.differences)
+      elif not set(e.differences) <= RESHARDABLE or not {"workers", "exchange"} & set(
           e.differences):
         raise
-      record = _restore_on_other_workers(run, ckpt, e.differences)
+      else:
+        record = _restore_on_other_workers(run, ckpt, e.differences)
   except checkpoint.CheckpointMismatch as e:
     raise RunError(f"refusing to resume: {e}") from None
   except checkpoint.CheckpointCorrupt as e:
@@ -161,3 +164,139 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
           + (f"; the schedule now has {run.total_steps} steps (it had "
              f"{differences['total_steps'][0]})" if "total_steps" in differences else ""))
   return record
+
+
+def _restore_per_leaf(run: Run, ckpt, differences: dict) -> dict:
+  """Restores a checkpoint whose residuals are kept leaf by leaf, converted to flat buffers.
+
+  Runs before flat buffers (`compress.state.LAYOUT`) saved each sparse
+  transform's residuals as a tree shaped like the parameters and its
+  thresholds as one scalar per leaf, and named no layout in their identity.
+  The same values are laid out in the new buffers, so the run continues as it
+  would have.
+
+  Raises:
+    RunError: for any other layout, or a checkpoint that also differs in what
+      a conversion does not carry (its workers, exchange or other settings).
+  """
+  import jax
+
+  from dlgs_jax.compress import state as states
+  from dlgs_jax.training import checkpoint
+  from dlgs_jax.workload import parallel
+
+  saved_layout = differences["state_layout"][0]
+  others = sorted(set(differences) - {"state_layout"} - EXTENDABLE)
+  if saved_layout is not None or others:
+    what = ("its residuals leaf by leaf" if saved_layout is None
+            else f"its residuals as {saved_layout!r}")
+    raise RunError(
+        f"refusing to resume: the checkpoint keeps {what}, this version keeps "
+        f"{states.LAYOUT!r}" + (f", and it differs in {others}" if others else "") +
+        ("; resume it once with its own settings to convert it, then change them" if
+         saved_layout is None else "; resume it with the version that wrote it"))
+  state = run.state
+  target = state._replace(
+      params=jax.tree_util.tree_map(_host, state.params),
+      batch_stats=jax.tree_util.tree_map(_host, state.batch_stats),
+      opt_state=_per_leaf_shapes(state.opt_state, state.params),
+      step=_host(state.step))
+  try:
+    restored, record = ckpt.restore_latest_good(target, allow=EXTENDABLE | {"state_layout"})
+  except checkpoint.CheckpointCorrupt as e:
+    raise RunError(f"refusing to resume: the checkpoint's residuals kept leaf by leaf could "
+                   f"not be read for this run's transforms ({e})") from None
+  opt_state = _to_flat(restored.opt_state, jax.tree_util.tree_map(_host_of, state.opt_state))
+  run.state = state._replace(
+      params=parallel.replicate(restored.params, run.mesh),
+      batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
+      opt_state=parallel.place_rows(opt_state, run.mesh, run.workers),
+      step=parallel.replicate(restored.step, run.mesh))
+  _check_extension(run, record)
+  run.log("the checkpoint kept its residuals leaf by leaf: laid out in flat buffers, values "
+          "unchanged")
+  return record
+
+
+def _host_of(x):
+  import numpy as np
+
+  return np.zeros(x.shape, x.dtype)
+
+
+def _flat_states(tree) -> list:
+  import jax
+
+  from dlgs_jax.compress.state import DLGSState, SparseState
+
+  kinds = (DLGSState, SparseState)
+  return [n for n in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kinds))
+          if isinstance(n, kinds)]
+
+
+def _per_leaf_shapes(opt_state, params):
+  """Host zeros of `opt_state` with each flat-buffer state as the per-leaf one it replaced.
+
+  The old residuals: a tree like the parameters the transform saw (passive
+  leaves empty), each leaf with the worker axis; the thresholds: a scalar per
+  leaf and worker.
+  """
+  import jax
+
+  from dlgs_jax.compress import common, grouping
+  from dlgs_jax.compress.state import DLGSState, SparseState, is_per_worker
+
+  kinds = (DLGSState, SparseState)
+  seen = jax.tree_util.tree_map(lambda x: None if common.is_passive(x) else x, params)
+  paths = grouping.leaf_paths(seen)
+  structure = jax.tree_util.tree_structure(seen)
+
+  def convert(node):
+    if not isinstance(node, kinds):
+      return jax.tree_util.tree_map(_host_of, node)
+    groups = node.stats.groups
+    shapes = {p: s for ps, ss in zip(groups.paths, groups.shapes) for p, s in zip(ps, ss)}
+    workers, dtype = node.residuals[0].shape[0], node.residuals[0].dtype
+    residuals = jax.tree_util.tree_unflatten(
+        structure, [_host(jax.ShapeDtypeStruct(shapes[p], dtype), workers) for p in paths])
+    old = jax.tree_util.tree_map(_host_of, node)._replace(residuals=residuals)
+    if isinstance(node, DLGSState):
+      old = old._replace(thresholds=jax.tree_util.tree_unflatten(
+          structure, [_host(jax.ShapeDtypeStruct((), node.thresholds[0].dtype), workers)
+                      for _ in paths]))
+    return old
+
+  return jax.tree_util.tree_map(convert, opt_state,
+                                is_leaf=lambda x: isinstance(x, kinds) or (
+                                    is_per_worker(x) and not isinstance(x, kinds)))
+
+
+def _to_flat(saved, target):
+  """`target` (host zeros) with every flat-buffer state filled from its per-leaf `saved` one."""
+  import jax
+  import numpy as np
+
+  from dlgs_jax.compress import grouping
+  from dlgs_jax.compress.state import DLGSState, SparseState, with_leaf_residuals
+
+  kinds = (DLGSState, SparseState)
+  olds = iter(_flat_states(saved))
+
+  def convert(node):
+    if not isinstance(node, kinds):
+      return node
+    old = next(olds)
+    by_path = dict(zip(grouping.leaf_paths(old.residuals),
+                       jax.tree_util.tree_leaves(old.residuals)))
+    new = with_leaf_residuals(old._replace(residuals=node.residuals, stats=node.stats),
+                              by_path)
+    if isinstance(node, DLGSState):
+      thresholds = dict(zip(grouping.leaf_paths(old.thresholds),
+                            jax.tree_util.tree_leaves(old.thresholds)))
+      new = new._replace(thresholds=tuple(
+          np.stack([np.asarray(thresholds[p]) for p in paths], axis=-1).astype(t.dtype)
+          for paths, t in zip(node.stats.groups.paths, node.thresholds)))
+    return new._replace(stats=jax.tree_util.tree_map(
+        lambda o, n: np.asarray(o).astype(n.dtype), old.stats, node.stats))
+
+  return jax.tree_util.tree_map(convert, target, is_leaf=lambda x: isinstance(x, kinds))

@@ -250,6 +250,7 @@ def build_run(config: RunConfig) -> Run:
 
 def run_identity(run: Run) -> dict:
   """What a checkpoint of this run must match: the config's identity and what it resolved to."""
+  from dlgs_jax.compress import state as states
   from dlgs_jax.training import reshard
   from dlgs_jax.workload import data
 
@@ -268,5 +269,6 @@ def run_identity(run: Run) -> dict:
       "num_examples": int(len(run.train_set.labels)),
       "image_shape": list(run.train_set.image_shape), "num_classes": run.train_set.num_classes,
       "total_steps": run.total_steps,
+      "state_layout": states.LAYOUT,
   })
   return identity

@@ -1,4 +1,4 @@
-"""Reused DLGS thresholds on a reuse step: adaptation and the group's recompute rule."""
+"""Reused DLGS thresholds on a reuse step: adaptation, the group's recompute rule, settling."""
 import math
 
 import jax
@@ -8,7 +8,6 @@ import pytest
 
 from dlgs_jax.compress import engine
 from dlgs_jax.compress import rules
-from dlgs_jax.compress import segmented
 
 DENSITY = 0.1
 # Leaves of one group: k = 500, 30, 7 and 2 values; all counted exactly (stride 1);
@@ -28,15 +27,15 @@ def group_layout(sizes):
   return engine.make_layout(tree, [paths], paths)
 
 
-def reuse_step(select, layout, leaves, previous, laid_out):
-  """`engine.step_thresholds` on a reuse step, jitted: (thresholds, exact leaves)."""
-  group = list(layout.groups[0])
+def reuse_step(select, layout, leaves, previous, recompute=False):
+  """A reuse step of one group, jitted: the thresholds it keeps (`engine.settle`), exact leaves."""
 
   @jax.jit
   def run(leaves, previous):
-    values = segmented.values_of(leaves, segmented.segments_of(layout.sizes), laid_out)
-    thresholds, _, exact = engine.step_thresholds(select, layout, group, values, previous,
-                                                  jnp.asarray(False))
+    flat = layout.lay_out(0, leaves)
+    picked = engine.pick(select, layout, 0, flat, previous)
+    (thresholds,), exact = engine.settle(select, layout, [flat], [picked], [previous],
+                                         jnp.asarray(recompute))
     return thresholds, exact
 
   return run([jnp.asarray(x) for x in leaves], jnp.asarray(previous, jnp.float32))
@@ -64,8 +63,7 @@ def adapted_reference(x, previous, k, candidates, refresh_below):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("laid_out", [False, True])
-def test_adapted_thresholds_and_the_group_rule_match_numpy(laid_out):
+def test_adapted_thresholds_and_the_group_rule_match_numpy():
   # The previous thresholds are exact for another draw; this step's values are
   # that draw rescaled, so the reused thresholds pass too few or too many.
   # Every leaf's adapted threshold matches the NumPy interpolation (the two
@@ -81,7 +79,7 @@ def test_adapted_thresholds_and_the_group_rule_match_numpy(laid_out):
     old = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
     previous = np.array([kth_largest(x, k) for x, k in zip(old, ks)], np.float32)
     leaves = [(scale * rng.standard_normal(n)).astype(np.float32) for n in SIZES]
-    got, exact = reuse_step(select, layout, leaves, previous, laid_out)
+    got, exact = reuse_step(select, layout, leaves, previous)
     want = [adapted_reference(x, p, k, 7, 0.5) if k >= rules.AdaptedReuse().exact_below_k
             else kth_largest(x, k) for x, p, k in zip(leaves, previous, ks)]
     passed = np.array([passing(x, t) for x, t in zip(leaves, want)])
@@ -107,7 +105,7 @@ def test_one_leaf_off_its_band_recomputes_the_group_only_under_the_refresh_rule(
   rng = np.random.default_rng(1)
   leaves = [rng.standard_normal(n).astype(np.float32) for n in (10000, 400)]
   previous = np.array([kth_largest(leaves[0], 1000), 100.0], np.float32)
-  got, exact = reuse_step(select, layout, leaves, previous, laid_out=False)
+  got, exact = reuse_step(select, layout, leaves, previous)
   assert int(exact) == (2 if recomputes else 0)
   if recomputes:
     np.testing.assert_array_equal(got, [kth_largest(leaves[0], 1000), kth_largest(leaves[1], 40)])
@@ -115,8 +113,7 @@ def test_one_leaf_off_its_band_recomputes_the_group_only_under_the_refresh_rule(
     assert passing(leaves[1], got[1]) == 0 and got[1] < previous[1]
 
 
-@pytest.mark.parametrize("laid_out", [False, True])
-def test_a_residual_piled_up_below_the_threshold_is_not_overshot(laid_out):
+def test_a_residual_piled_up_below_the_threshold_is_not_overshot():
   # Error feedback piles values up just below a reused threshold H: here 60
   # values above H and 3000 spread evenly over [0.8 H, H). The count is linear
   # there, so the adapted threshold passes close to 0.9 k = 90 and the group
@@ -129,7 +126,7 @@ def test_a_residual_piled_up_below_the_threshold_is_not_overshot(laid_out):
   values = np.concatenate([rng.uniform(1.0, 1.5, 60), rng.uniform(0.8, 1.0, 3000),
                            rng.uniform(0.0, 0.3, 6940)]).astype(np.float32)
   leaf = values * rng.choice([-1.0, 1.0], values.size).astype(np.float32)
-  got, exact = reuse_step(select, layout, [leaf], np.array([1.0], np.float32), laid_out)
+  got, exact = reuse_step(select, layout, [leaf], np.array([1.0], np.float32))
   assert int(exact) == 0
   np.testing.assert_allclose(got, [adapted_reference(leaf, 1.0, 100, 7, 0.5)], rtol=2e-6)
   assert 75 <= passing(leaf, got[0]) <= 105, passing(leaf, got[0])
@@ -144,7 +141,7 @@ def test_a_leaf_far_over_its_buffer_recomputes_the_group():
   leaves = [rng.standard_normal(n).astype(np.float32) + 0.0 for n in (5000, 640)]
   leaves[1] = np.sign(leaves[1]) * (1.0 + np.abs(leaves[1]))
   previous = np.array([kth_largest(leaves[0], 500), 1e-3], np.float32)
-  got, exact = reuse_step(select, layout, leaves, previous, laid_out=True)
+  got, exact = reuse_step(select, layout, leaves, previous)
   assert int(exact) == 2
   np.testing.assert_array_equal(got, [kth_largest(leaves[0], 500), kth_largest(leaves[1], 64)])
 
@@ -160,7 +157,7 @@ def test_a_leaf_with_nothing_to_send_does_not_make_its_group_recompute(candidate
   rng = np.random.default_rng(4)
   leaves = [rng.standard_normal(5000).astype(np.float32), np.zeros(5000, np.float32)]
   previous = np.array([kth_largest(leaves[0], 500), 0.0], np.float32)
-  got, exact = reuse_step(select, layout, leaves, previous, laid_out=False)
+  got, exact = reuse_step(select, layout, leaves, previous)
   assert int(exact) == 0
   assert got[1] == 0.0 and passing(leaves[0], got[0]) >= 250
 
@@ -173,38 +170,55 @@ def test_a_zero_leaf_that_fills_past_its_buffer_still_recomputes():
   rng = np.random.default_rng(5)
   leaves = [rng.standard_normal(5000).astype(np.float32) for _ in range(2)]
   previous = np.array([kth_largest(leaves[0], 500), 0.0], np.float32)
-  got, exact = reuse_step(select, layout, leaves, previous, laid_out=True)
+  got, exact = reuse_step(select, layout, leaves, previous)
   assert int(exact) == 2
   np.testing.assert_array_equal(got, [kth_largest(x, 500) for x in leaves])
 
 
-def test_on_cpu_a_group_is_laid_out_up_to_its_size_limit_and_kept_leaf_by_leaf_past_it():
-  assert jax.default_backend() == "cpu"
-  limit = segmented.CPU_LAY_OUT_MAX
-  assert segmented.lay_out_by_default(limit) and not segmented.lay_out_by_default(limit + 1)
-  # `pick` asks per group, by the group's padded length: a small bucket beside a
-  # large one is laid out, the large one is not.
-  tree = {"big": jax.ShapeDtypeStruct((limit + 1,), jnp.float32),
-          "small": jax.ShapeDtypeStruct((96,), jnp.float32)}
-  layout = engine.make_layout(tree, [["big"], ["small"]], ["big", "small"])
-  select = engine.Selection("layer_topk", 0.01)
-  _, picked, _ = jax.eval_shape(
-      lambda ls: engine.pick(select, layout, ls), [jnp.zeros(l.shape) for l in (
-          tree["big"], tree["small"])])
-  big, small = picked
-  assert big.values.flat is None and big.values.leaves is not None
-  assert small.values.flat is not None and small.values.flat.shape == (96,)
+def test_a_step_selects_with_the_proposal_and_keeps_exact_thresholds_when_due():
+  # The schedule's exact step: the message holds what the reused thresholds
+  # pass (no group waits for an exact select of its own values), and the
+  # thresholds kept for the next step are the exact k_l-th largest of this
+  # step's values. A step off the schedule keeps the proposal.
+  layout = group_layout((3000, 300))
+  select = engine.Selection("threshold", DENSITY, rule=rules.FixedReuse(10))
+  rng = np.random.default_rng(9)
+  leaves = [rng.standard_normal(n).astype(np.float32) for n in (3000, 300)]
+  previous = np.array([2.0, 1.0], np.float32)
+
+  @jax.jit
+  def step(leaves, recompute):
+    flat = layout.lay_out(0, leaves)
+    picked = engine.pick(select, layout, 0, flat, jnp.asarray(previous))
+    kept, exact = engine.settle(select, layout, [flat], [picked], [jnp.asarray(previous)],
+                                recompute)
+    return picked.positions, picked.passed, kept[0], exact
+
+  flat = np.concatenate([leaves[0], np.zeros(8, np.float32), leaves[1], np.zeros(20, np.float32)])
+  for recompute in (True, False):
+    positions, passed, kept, exact = step([jnp.asarray(x) for x in leaves],
+                                          jnp.asarray(recompute))
+    want = [passing(x, t) for x, t in zip(leaves, previous)]
+    np.testing.assert_array_equal(passed, want)
+    sent = np.asarray(positions)[np.asarray(positions) < flat.size]
+    assert np.all(np.abs(flat[sent]) >= np.repeat(previous, [min(want[0], 300), min(want[1], 30)]))
+    if recompute:
+      np.testing.assert_array_equal(kept, [kth_largest(leaves[0], 300), kth_largest(leaves[1], 30)])
+      assert int(exact) == 2
+    else:
+      np.testing.assert_array_equal(kept, previous)
+      assert int(exact) == 0
 
 
-def test_a_forced_view_holds_inside_its_block_only():
-  with segmented.forced_view(False):
-    assert not segmented.lay_out_by_default(96)
-    with segmented.forced_view(None):  # None: the rule's own choice, here the forced one
-      assert not segmented.lay_out_by_default(96)
-  with segmented.forced_view(True):
-    assert segmented.lay_out_by_default(segmented.CPU_LAY_OUT_MAX + 1)
-  assert segmented.lay_out_by_default(96)
-  assert not segmented.lay_out_by_default(segmented.CPU_LAY_OUT_MAX + 1)
-  with pytest.raises(RuntimeError), segmented.forced_view(False):
-    raise RuntimeError("restored on the way out")
-  assert segmented.lay_out_by_default(96)
+def test_a_first_step_sends_nothing_sparsified_and_keeps_exact_thresholds():
+  # Before its first step a group knows no threshold (+inf): nothing passes,
+  # everything stays owed, and the thresholds kept are this step's exact ones.
+  layout = group_layout((1000, 64))
+  for rule in (rules.FixedReuse(), rules.RefreshReuse(), rules.AdaptedReuse(exact_below_k=0)):
+    select = engine.Selection("threshold", DENSITY, rule=rule)
+    start = engine.initial_thresholds(select, layout, 0)
+    assert np.all(np.isinf(start))
+    leaves = [np.random.default_rng(3).standard_normal(n).astype(np.float32) for n in (1000, 64)]
+    got, exact = reuse_step(select, layout, leaves, np.asarray(start), recompute=True)
+    np.testing.assert_array_equal(got, [kth_largest(leaves[0], 100), kth_largest(leaves[1], 7)])
+    assert int(exact) == 2

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dlgs_jax
 from dlgs_jax.compress.hierarchical import two_level
 from tests.compress.test_common import BUILDERS
-from tests.helpers import random_grads, run_steps
+from tests.helpers import random_grads, residual_tree, run_steps
 
 PARAMS = {"conv": jnp.zeros((3, 3, 4, 8)), "dense": jnp.zeros((40, 10)), "bias": jnp.zeros((10,))}
 WORKERS = 4
@@ -81,7 +81,8 @@ def test_vmap_simulates_32_workers_on_one_device_with_nothing_lost():
   assert jax.tree_util.tree_leaves(update)[0].devices() == {jax.devices()[0]}
   # P * mean + sum of the new residuals == sum of the gradients (residuals started at 0).
   for u, e, g in zip(jax.tree_util.tree_leaves(update),
-                     jax.tree_util.tree_leaves(state.residuals), jax.tree_util.tree_leaves(grads)):
+                     jax.tree_util.tree_leaves(residual_tree(state, PARAMS)),
+                     jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(workers * np.asarray(u[0]) + np.asarray(e).sum(0),
                                np.asarray(g).sum(0), rtol=1e-5, atol=1e-5)
 

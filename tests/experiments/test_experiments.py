@@ -686,16 +686,18 @@ def test_bench_sparsify_times_a_warmed_schedule_period_on_fresh_gradients():
 
 
 @pytest.mark.slow
-def test_the_default_grouping_keeps_an_updates_conditionals_as_leaves_grow():
-  # One bucket of small leaves: the same conditionals at 8 and 32 leaves;
-  # one group per leaf: more with every leaf. (LAGS sorts nothing either way;
-  # bucketing merges its messages.)
-  rows = load("bench_sparsify").grouping_counts((4, 16), laid_out=False)
+def test_the_default_grouping_keeps_an_updates_program_as_leaves_grow():
+  # One bucket of small leaves at 4 and 16 leaves; one group per leaf: one
+  # conditional for the whole update either way (the next thresholds, settled
+  # for every group at once), but a group's passes each. (LAGS sorts nothing
+  # either way; bucketing merges its messages.)
+  rows = load("bench_sparsify").grouping_counts((4, 16))
   by = {(r["leaves"], r["transform"]): r for r in rows}
   assert by[4, "dlgs"]["groups"] == by[16, "dlgs"]["groups"] == 1
-  assert by[4, "dlgs"]["conditionals"] == by[16, "dlgs"]["conditionals"]
+  assert by[4, "dlgs"]["conditionals"] == by[16, "dlgs"]["conditionals"] == 1
   assert by[16, "dlgs per leaf"]["groups"] == 16
-  assert by[16, "dlgs per leaf"]["conditionals"] > 3 * by[4, "dlgs"]["conditionals"]
+  assert by[16, "dlgs per leaf"]["conditionals"] == 1
+  assert by[16, "dlgs per leaf"]["kernels"] > 3 * by[16, "dlgs"]["kernels"]
   assert (by[16, "lags"]["groups"], by[16, "lags per leaf"]["groups"]) == (1, 16)
   assert by[16, "lags"]["top_k"] == by[16, "lags per leaf"]["top_k"] == 0
 

@@ -3,18 +3,14 @@
 from tests.experiments.test_experiments import load
 
 
-def test_laid_out_dlgs_has_one_conditional_no_sort_and_fewer_kernels():
+def test_dlgs_has_one_conditional_and_no_sort():
   census = load("update_programs")
   rows = {r["method"]: r for r in census.measure(
-      "smallcnn", only=["dense", "dlgs paper, one group"])}
-  assert set(rows) == {"dense", "dlgs paper, one group, laid out",
-                       "dlgs paper, one group, leaf by leaf"}
-  laid = rows["dlgs paper, one group, laid out"]
-  leafwise = rows["dlgs paper, one group, leaf by leaf"]
-  # Laid out, the exact step's select needs no fallback: its one conditional is the schedule's.
-  assert laid["conditionals"] == 1 and laid["sorts"] == 0 and laid["top_k"] == 0, laid
-  assert leafwise["sorts"] == 0 and leafwise["top_k"] == 0, leafwise
-  assert laid["kernels"] < leafwise["kernels"], (laid, leafwise)
+      "smallcnn", only=["dense", "dlgs paper, buckets"])}
+  assert set(rows) == {"dense", "dlgs paper, buckets"}
+  dlgs = rows["dlgs paper, buckets"]
+  # One conditional for the whole update: the thresholds of the next step.
+  assert dlgs["conditionals"] == 1 and dlgs["sorts"] == 0 and dlgs["top_k"] == 0, dlgs
   assert rows["dense"]["conditionals"] == 0
   table = census.table(list(rows.values()))
-  assert f"| {laid['kernels']} | {laid['kernels'] - rows['dense']['kernels']} |" in table
+  assert f"| {dlgs['kernels']} | {dlgs['kernels'] - rows['dense']['kernels']} |" in table

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import dlgs_jax
-from dlgs_jax.compress.state import is_per_worker
+from dlgs_jax.compress.state import is_per_worker, leaf_residuals, with_leaf_residuals
 from dlgs_jax.training import reshard
 
 
@@ -15,12 +15,15 @@ def per_worker_state(workers, rng):
   state = dlgs_jax.dlgs(0.25).init(params)
   rows = lambda x, f: np.stack([f(i, np.asarray(x)) for i in range(workers)])  # noqa: E731
   residuals = {k: rows(v, lambda i, x: rng.standard_normal(x.shape).astype(np.float32))
-               for k, v in state.residuals.items()}
-  thresholds = {k: rows(v, lambda i, x: np.float32(i + 1)) for k, v in state.thresholds.items()}
+               for k, v in leaf_residuals(state).items()}
+  thresholds = tuple(rows(v, lambda i, x: np.full(x.shape, i + 1, np.float32))
+                     for v in state.thresholds)
   stats = state.stats._replace(selected=rows(state.stats.selected, lambda i, x: x + i))
-  return state._replace(count=rows(state.count, lambda i, x: x + 7), residuals=residuals,
+  state = with_leaf_residuals(state, residuals)
+  return state._replace(count=rows(state.count, lambda i, x: x + 7),
+                        residuals=tuple(np.asarray(r) for r in state.residuals),
                         thresholds=thresholds,
-                        stats=type(stats)(*[rows(f, lambda i, x: x) if j != 2 else f
+                        stats=type(stats)(*[rows(f, lambda i, x: x) if j not in (2, 7) else f
                                             for j, f in enumerate(stats)]))
 
 
@@ -28,13 +31,14 @@ def per_worker_state(workers, rng):
 def test_the_residual_mass_is_kept_and_shared_values_stay(old, new):
   state = per_worker_state(old, np.random.default_rng(old))
   row = reshard.redistribute(state, new)
-  for key, e in state.residuals.items():
+  kept = leaf_residuals(row)
+  for key, e in leaf_residuals(state).items():
     # What the updates still owe: sum_w e_w / P, before and after.
-    np.testing.assert_allclose(new * row.residuals[key] / new, e.sum(0) / old, rtol=1e-6)
-    np.testing.assert_allclose(new * row.residuals[key], e.sum(0) * new / old, rtol=1e-6)
+    np.testing.assert_allclose(new * kept[key] / new, e.sum(0) / old, rtol=1e-6)
+    np.testing.assert_allclose(new * kept[key], e.sum(0) * new / old, rtol=1e-6)
   assert int(row.count) == 7  # the same on every worker: kept
-  for key, t in state.thresholds.items():
-    assert float(row.thresholds[key]) == pytest.approx(np.mean(np.arange(1, old + 1)))
+  for t in row.thresholds:
+    np.testing.assert_allclose(t, np.mean(np.arange(1, old + 1)))
   np.testing.assert_array_equal(row.stats.selected, state.stats.selected[0])
 
 
@@ -53,8 +57,8 @@ def test_replicated_parts_of_a_chain_are_kept_as_they_are():
   chain_state = (per_worker_state(3, rng), {"trace": trace})
   row = reshard.redistribute(chain_state, 2)
   assert all(row[1]["trace"][k] is trace[k] for k in trace)
-  np.testing.assert_allclose(row[0].residuals["w"],
-                             chain_state[0].residuals["w"].sum(0) / 3, rtol=1e-6)
+  np.testing.assert_allclose(leaf_residuals(row[0])["w"],
+                             leaf_residuals(chain_state[0])["w"].sum(0) / 3, rtol=1e-6)
 
 
 PARAMS = {"w": np.zeros((6, 5), np.float32), "b": np.zeros((3,), np.float32)}
@@ -75,10 +79,11 @@ def exchange_state(workers, fast, rng):
       lambda node: jax.tree_util.tree_map(per_worker, node) if is_per_worker(node) else node,
       state, is_leaf=is_per_worker)
   inner = state[0].inner if fast > 1 else state[0]
-  inner = inner._replace(
-      residuals={k: rng.standard_normal(v.shape).astype(np.float32)
-                 for k, v in inner.residuals.items()},
-      thresholds={k: np.arange(1, workers + 1, dtype=np.float32) for k in inner.thresholds})
+  inner = with_leaf_residuals(inner, {k: rng.standard_normal(v.shape).astype(np.float32)
+                                      for k, v in leaf_residuals(inner).items()})
+  inner = inner._replace(thresholds=tuple(
+      np.broadcast_to(np.arange(1, workers + 1, dtype=np.float32)[:, None], t.shape)
+      for t in inner.thresholds))
   compressor = state[0]._replace(inner=inner) if fast > 1 else inner
   trace = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in PARAMS.items()}
   momentum = (state[1][0]._replace(trace=trace),) + tuple(state[1][1:])
@@ -90,7 +95,7 @@ def owed(state, fast):
   each node's slices laid end to end; flat: the mean over workers)."""
   inner = state[0].inner if fast > 1 else state[0]
   out = {}
-  for key, e in inner.residuals.items():
+  for key, e in leaf_residuals(inner).items():
     size, shape = PARAMS[key].size, PARAMS[key].shape
     if fast == 1:
       out[key] = e.astype(np.float64).mean(0)
@@ -115,10 +120,10 @@ def test_another_exchange_gets_the_same_owed_mass_and_keeps_the_momentum(old, ne
     np.testing.assert_allclose(after[key], before[key], rtol=1e-6, atol=1e-7)
   inner = moved[0].inner if new[1] > 1 else moved[0]
   workers = new[0] * new[1]
-  assert all(v.shape[0] == workers for v in inner.residuals.values())
+  assert all(v.shape[0] == workers for v in inner.residuals)
   # Thresholds differ per worker: their mean, on every new worker.
   mean = np.mean(np.arange(1, old[0] * old[1] + 1))
-  assert all(np.all(v == np.float32(mean)) for v in inner.thresholds.values())
+  assert all(np.all(v == np.float32(mean)) for v in inner.thresholds)
   for key in PARAMS:  # the replicated momentum is the saved one
     np.testing.assert_array_equal(moved[1][0].trace[key], saved[1][0].trace[key])
 

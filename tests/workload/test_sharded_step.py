@@ -133,8 +133,8 @@ def test_state_specs_and_placement_split_the_chain():
   tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.sgd(0.1, momentum=0.9))
   state = dlgs_jax.init_per_worker(tx, PARAMS, m)
   specs = dlgs_jax.state_specs(state, "data")
-  assert state[0].residuals["w"].shape == (W, 5, 3)
-  assert specs[0].residuals["w"] == P("data")
+  assert state[0].residuals[0].shape == (W, 64)  # "w" and "b", each padded to 32 values
+  assert specs[0].residuals[0] == P("data")
   assert state[1][0].trace["w"].shape == (5, 3)  # the momentum: replicated
   assert specs[1][0].trace["w"] == P()
 
@@ -417,7 +417,7 @@ def test_multisteps_around_a_compressor_is_refused_with_the_way_to_accumulate():
     dlgs_jax.data_parallel(squared_error, tx, mesh()).init(PARAMS)
   # MultiSteps wrapping no compressor (here the optimizer after it) is not refused.
   after = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data"), optax.MultiSteps(optax.sgd(0.1), 4))
-  assert dlgs_jax.init_per_worker(after, PARAMS, mesh())[0].residuals["w"].shape == (W, 5, 3)
+  assert dlgs_jax.init_per_worker(after, PARAMS, mesh())[0].residuals[0].shape == (W, 64)
 
 
 def test_a_node_mesh_puts_each_process_on_a_row():
