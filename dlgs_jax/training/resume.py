@@ -272,7 +272,7 @@ def _per_leaf_shapes(opt_state, params):
 
 
 def _to_flat(saved, target):
-  """`target` (host zeros) with every flat-buffer state filled from its per-leaf `saved` one."""
+  """`saved` with every per-leaf transform state laid out as `target`'s (host zeros) is."""
   import jax
   import numpy as np
 
@@ -280,12 +280,12 @@ def _to_flat(saved, target):
   from dlgs_jax.compress.state import DLGSState, SparseState, with_leaf_residuals
 
   kinds = (DLGSState, SparseState)
-  olds = iter(_flat_states(saved))
+  targets = iter(_flat_states(target))
 
-  def convert(node):
-    if not isinstance(node, kinds):
-      return node
-    old = next(olds)
+  def convert(old):
+    if not isinstance(old, kinds):
+      return old
+    node = next(targets)
     by_path = dict(zip(grouping.leaf_paths(old.residuals),
                        jax.tree_util.tree_leaves(old.residuals)))
     new = with_leaf_residuals(old._replace(residuals=node.residuals, stats=node.stats),
@@ -299,4 +299,4 @@ def _to_flat(saved, target):
     return new._replace(stats=jax.tree_util.tree_map(
         lambda o, n: np.asarray(o).astype(n.dtype), old.stats, node.stats))
 
-  return jax.tree_util.tree_map(convert, target, is_leaf=lambda x: isinstance(x, kinds))
+  return jax.tree_util.tree_map(convert, saved, is_leaf=lambda x: isinstance(x, kinds))

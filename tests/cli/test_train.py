@@ -19,7 +19,7 @@ from dlgs_jax.cli import train
 from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.training.config import SECTIONS, load_config
 from dlgs_jax.planning.timeline import Profile
-from tests.helpers import child_env, smallcnn_plan, wait_for_step
+from tests.helpers import child_env, inherited_xla_flags, smallcnn_plan, wait_for_step
 
 SMALL = ["--model", "smallcnn", "--batch-size", "8", "--lr", "0.05"]
 # A run's plumbing (locks, signals, checkpoints, schedules, failures) is tested on dense:
@@ -531,6 +531,38 @@ def test_a_run_resumes_onto_another_node_shape_with_its_residuals_dealt_again(tm
   other = run_cli([*args, "--resume", "--momentum", "0.5"])
   assert other.returncode != 0 and "optimizer.momentum: checkpoint 0.9" in other.stderr
   assert "exchange: checkpoint 'two-level 2x2', this run 'flat'" in other.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_residuals_kept_leaf_by_leaf_is_converted_or_refused(tmp_path):
+  """A checkpoint written before flat residual buffers resumes, laid out anew, bit for bit
+  with a run that never stopped; with another worker count too, it is refused in one
+  line naming the layout and the fix."""
+  args = [*SMALL, "--method", "dlgs", "--density", "0.05", "--local-devices", "2",
+          "--steps", "6", "--checkpoint-every", "3", "--check-every", "0"]
+  whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  parts = [*args, "--workdir", str(tmp_path / "parts")]
+  first = run_cli([*parts, "--stop-after", "3"])
+  assert first.returncode == 0, first.stderr[-3000:]
+  rewrite = subprocess.run(
+      [sys.executable, "-m", "tests.per_leaf_checkpoint", *parts], capture_output=True,
+      text=True, timeout=300,
+      env=child_env(XLA_FLAGS=" ".join([inherited_xla_flags(),
+                                       "--xla_force_host_platform_device_count=2"])))
+  assert rewrite.returncode == 0, rewrite.stderr[-3000:]
+  moved = run_cli([*parts, "--resume", "--local-devices", "4"])
+  assert moved.returncode != 0
+  line = moved.stderr.strip().splitlines()[-1]
+  assert ("the checkpoint keeps its residuals leaf by leaf, this version keeps 'flat buffers "
+          "per group', and it differs in ['workers']; resume it once with its own settings "
+          "to convert it, then change them") in line, moved.stderr[-2000:]
+  resumed = run_cli([*parts, "--resume"])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "the checkpoint kept its residuals leaf by leaf: laid out in flat buffers" in (
+      resumed.stdout)
+  assert "resumed from step 3" in resumed.stdout
+  assert sha_of(tmp_path / "parts") == sha_of(tmp_path / "whole")
 
 
 @pytest.mark.slow
