@@ -13,6 +13,7 @@ group costs exactly one collective.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Hashable, Optional, Sequence, Union
 
@@ -272,8 +273,24 @@ def _merge_topk(
   unique = jnp.full((n,), size, jnp.int32).at[segment].set(order_indices)
   # Sentinel segments must never beat a real index of equal magnitude.
   magnitude = jnp.where(unique < size, jnp.abs(sums), -1.0)
-  _, keep = lax.top_k(magnitude, k)
+  _, keep = _top_k(magnitude, k)
   return sums[keep], unique[keep]
+
+
+def _top_k(x: jax.Array, k: int):
+  """`lax.top_k`, unstable where the installed JAX offers it (0.11 and later).
+
+  Ties here are among equal magnitudes of distinct indices, which every worker
+  merges from the same canonical (index-sorted) input, so any fixed order will
+  do; XLA:GPU has a select-k kernel for small k only when the order of ties is
+  free, and sorts the whole input otherwise.
+  """
+  if _UNSTABLE_TOP_K:
+    return lax.top_k(x, k, is_stable=False)
+  return lax.top_k(x, k)
+
+
+_UNSTABLE_TOP_K = "is_stable" in inspect.signature(lax.top_k).parameters
 
 
 def gtopk_indices(

@@ -294,8 +294,8 @@ def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
   """H_l of a group's leaves for this step, as ``select.rule`` proposes from the last ones.
 
   Reused as they are (`FixedReuse`, `RefreshReuse`) or re-aimed from a few
-  candidates (`AdaptedReuse`, its leaves of small k exact). Nothing here
-  waits for another group's gradients, and nothing is conditional.
+  candidates (`AdaptedReuse`). Nothing here waits for another group's
+  gradients, and nothing is conditional.
 
   Args:
     select: the "threshold" selection.
@@ -310,7 +310,6 @@ def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
       previous, ks=ks, whole=whole,
       count=lambda trials, strides, leaves: segmented.count_at(flat, segs, trials, strides,
                                                                leaves),
-      exact=lambda leaves: _exact_subset(flat, segs, leaves, [ks[i] for i in leaves]),
       sizes=segs.sizes)
 
 
@@ -331,10 +330,12 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
   A group's thresholds are computed exactly (`segmented.exact_thresholds`,
   the k_l-th largest ``|g_l|`` of this step's values) on the schedule's
   exact steps (`recompute`) and when the rule's drift test fails on the
-  counts its proposal passed; the step itself was selected with the
-  proposal, so no group's message waits for a threshold computed from its
-  own values or from another group's. One conditional for all groups runs
-  the exact selects on the steps that need them, after every message is out.
+  counts its proposal passed; the leaves the rule names (`every_step`, the
+  default's leaves of small k) on every step. The step itself was selected
+  with the proposal, so no group's message waits for a threshold computed
+  from its own values or from another group's. One conditional for all
+  groups runs the exact selects on the steps that need them, after every
+  message is out; the few leaves of every step share one select outside it.
 
   Args:
     select: the "threshold" selection.
@@ -346,40 +347,57 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
 
   Returns:
     ``(thresholds, exact)``: per group float32 [L]; the int32 number of leaves
-    whose threshold was computed exactly this step (the proposals' exact
-    leaves of small k included).
+    whose threshold was computed exactly this step.
   """
   rule = select.rule
+  groups = range(len(accumulated))
+  ks = [select.ks(layout, g) for g in groups]
+  whole = [select.whole(layout, g) for g in groups]
+  few = [rule.every_step(k, w) for k, w in zip(ks, whole)]
   redo, counted = [], jnp.zeros((), jnp.int32)
-  for group, (chosen, last) in enumerate(zip(picked, previous)):
-    ks, whole = select.ks(layout, group), select.whole(layout, group)
-    sparse = [not w for w in whole]
-    drifted = rule.drifted(chosen.passed, ks, select.capacities(layout, group), sparse,
-                           last > 0)
+  for g, (chosen, last) in enumerate(zip(picked, previous)):
+    sparse = [not w for w in whole[g]]
+    drifted = rule.drifted(chosen.passed, ks[g], select.capacities(layout, g), sparse, last > 0)
     redo.append(recompute | drifted)
-    counted = counted + jnp.where(redo[-1], sum(sparse), chosen.exact).astype(jnp.int32)
+    counted = counted + jnp.where(redo[-1], sum(sparse), sum(few[g])).astype(jnp.int32)
 
-  def exact():
-    # Every group's buffer end to end: one select for all of them (a copy of
-    # the values, on the steps that recompute only).
-    everything = segmented.Segments(tuple(
-        size for group in range(len(accumulated)) for size in layout.buffer(group).sizes))
-    flat = jnp.concatenate(accumulated) if len(accumulated) > 1 else accumulated[0]
-    found = segmented.exact_thresholds(
-        flat, everything, [k for g in range(len(accumulated)) for k in select.ks(layout, g)],
-        [w for g in range(len(accumulated)) for w in select.whole(layout, g)])
-    return jnp.split(found, np.cumsum([len(g) for g in layout.groups])[:-1].tolist())
+  def everything(flats, leaves):
+    """Exact thresholds of the listed leaves of every group, in one select (flat, in order)."""
+    parts, sizes, kept = [], [], []
+    for g, flat in enumerate(flats):
+      if leaves[g]:
+        samples, segs = segmented.leaf_samples(flat, layout.buffer(g), leaves[g],
+                                               [1] * len(leaves[g]))
+        parts.append(samples)
+        sizes += segs.sizes
+        kept += [ks[g][i] for i in leaves[g]]
+    laid = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return segmented.kth_largest(laid, segmented.Segments(tuple(sizes)), kept)
+
+  def per_group(found, leaves, default):
+    out, start = [], 0
+    for g, base in enumerate(default):
+      n = len(leaves[g])
+      out.append(base.at[np.asarray(leaves[g], np.int32)].set(found[start:start + n])
+                 if n else base)
+      start += n
+    return out
 
   proposals = [chosen.thresholds for chosen in picked]
-  found = lax.cond(functools.reduce(jnp.logical_or, redo), exact, lambda: proposals)
-  return ([jnp.where(r, f, p) for r, f, p in zip(redo, found, proposals)], counted)
+  small = [[i for i, f in enumerate(fs) if f] for fs in few]
+  if any(small):
+    proposals = per_group(everything(accumulated, small), small, proposals)
+  sparse_leaves = [[i for i, w in enumerate(ws) if not w] for ws in whole]
 
+  def exact():
+    # Every group's sparsified leaves end to end: one select for all of them
+    # (a copy of their values, on the steps that recompute only). Leaves sent
+    # whole keep their threshold, 0.
+    return per_group(everything(accumulated, sparse_leaves), sparse_leaves, proposals)
 
-def _exact_subset(flat: jax.Array, segs: segmented.Segments, leaves: Sequence[int], ks
-                  ) -> jax.Array:
-  """The exact thresholds of some of a buffer's leaves (float32 [len(leaves)])."""
-  samples, subset = segmented.leaf_samples(flat, segs, leaves, [1] * len(leaves))
-  return segmented.kth_largest(samples, subset, ks)
+  found = (lax.cond(functools.reduce(jnp.logical_or, redo), exact, lambda: proposals)
+           if any(sparse_leaves) else proposals)
+  return [jnp.where(r, f, p) for r, f, p in zip(redo, found, proposals)], counted
 
 
 @functools.partial(jax.tree_util.register_dataclass,

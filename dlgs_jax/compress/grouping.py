@@ -126,9 +126,9 @@ def _sub_jaxpr(eqn):
 
 
 # Default buckets hold up to this many values, the 25 MB of float32 that
-# PyTorch DDP's buckets hold: each bucket is one message, one compaction and
-# one conditional, so their number grows with the model's size, not with its
-# number of leaves (ResNet-50: 161 leaves in 5 buckets, VGG16: 54 in 3, ResNet-20: 1).
+# PyTorch DDP's buckets hold: each bucket is one message and its own fixed
+# passes, so their number grows with the model's size, not with its number of
+# leaves (ResNet-50: 161 leaves in 5 buckets, VGG16: 54 in 3, ResNet-20: 1).
 BUCKET_VALUES = 25 * 2**20 // 4
 
 

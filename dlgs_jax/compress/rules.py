@@ -1,8 +1,10 @@
 """DLGS's threshold rules: when a reused threshold is recomputed, and how it is aimed.
 
-Every rule computes each leaf's threshold exactly (the k_l-th largest ``|g|``)
-on step 0 and every `every` steps, and reuses it in between (Ju et al. 2024,
-Algorithm 1). They differ on the reuse steps:
+Every rule computes each leaf's threshold exactly (the k_l-th largest ``|g|``
+of that step's values) on step 0 and every `every` steps, and reuses it until
+the next exact one (Ju et al. 2024, Algorithm 1); a step selects with the
+thresholds it starts from, so an exact threshold serves from the step after
+the one it was computed on. They differ on the reuse steps:
 
 * `FixedReuse` -- the paper: thresholds reused as they are.
 * `RefreshReuse` -- reused as they are, but a group recomputes early when one
@@ -17,7 +19,8 @@ less than the density asks for (measured in experiments/README.md, section 2).
 
 Each rule validates its fields when built and owns both halves of a reuse
 step: the thresholds it proposes (`propose`) and the drift test that sends its
-group to an exact step (`drifted`); `engine.propose` and `engine.settle` apply them.
+group to an exact step (`drifted`); `engine.propose` and `engine.settle`
+apply them.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def _kept(previous: jax.Array) -> Proposal:
 def _check_every(rule: str, every) -> None:
   if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
     raise ValueError(f"{rule}(every={every!r}) is invalid: every must be an integer >= 1 "
-                     f"(1 computes exact thresholds on every step)")
+                     f"(1 computes exact thresholds on every step, for the next)")
 
 
 def _check_below(rule: str, below) -> None:
@@ -62,8 +65,8 @@ class FixedReuse:
   """The paper's schedule: exact thresholds every `every` steps, reused as they are.
 
   Attributes:
-    every: steps between exact thresholds (>= 1; 1 is exact layer-wise top-k
-      on every step, i.e. LAGS selected by threshold).
+    every: steps between exact thresholds (>= 1; 1: each step selects at the
+      exact thresholds of the step before).
   """
   every: int = 10
 
@@ -73,6 +76,11 @@ class FixedReuse:
   def propose(self, previous, **_) -> Proposal:
     """The reused thresholds as they are."""
     return _kept(previous)
+
+  def every_step(self, ks, whole) -> list[bool]:
+    """No leaf's threshold is computed exactly on every step."""
+    del whole
+    return [False] * len(ks)
 
   def drifted(self, passed, ks, capacities, sparse, live) -> jax.Array:
     """Never: the paper recomputes on its schedule only."""
@@ -99,6 +107,11 @@ class RefreshReuse:
   def propose(self, previous, **_) -> Proposal:
     """The reused thresholds as they are."""
     return _kept(previous)
+
+  def every_step(self, ks, whole) -> list[bool]:
+    """No leaf's threshold is computed exactly on every step."""
+    del whole
+    return [False] * len(ks)
 
   def drifted(self, passed, ks, capacities, sparse, live) -> jax.Array:
     """Whether a group's reused thresholds are off: one leaf outside its band (bool scalar).
@@ -127,8 +140,9 @@ class AdaptedReuse:
   k_l`` values. Below, because the residual loses what was sent; close
   together, because error feedback piles the residual up just below the
   threshold, where a few percent change the count several-fold. Leaves of
-  ``k_l < exact_below_k`` take their exact threshold on every step instead:
-  their counts move by whole values, too coarse to aim with.
+  ``k_l < exact_below_k`` have their exact threshold computed on every step
+  instead (serving on the next, as every exact threshold does): their counts
+  move by whole values, too coarse to aim with.
 
   A group recomputes every threshold exactly when its leaves together send
   fewer than ``below`` of its k, or one leaf passes more than `overflow` times
@@ -145,8 +159,8 @@ class AdaptedReuse:
     overflow: how many times its buffer a leaf may pass before its group
       recomputes (>= 1; ``math.inf``: never); what does not fit waits in the
       residual.
-    exact_below_k: leaves keeping fewer values take the exact threshold on
-      every step (>= 0).
+    exact_below_k: leaves keeping fewer values have their exact threshold
+      computed on every step (>= 0).
   """
   every: int = 10
   below: float = 0.5
@@ -185,8 +199,8 @@ class AdaptedReuse:
     return (2.0 ** (np.arange(-below, self.candidates - below) / 8)).astype(np.float32)
 
   def propose(self, previous: jax.Array, *, ks: Sequence[int], whole: Sequence[bool],
-              count: Callable, exact: Callable, sizes: Sequence[int]) -> Proposal:
-    """Each leaf's threshold re-aimed at ``target * k_l`` values; those of small k exact.
+              count: Callable, sizes: Sequence[int]) -> Proposal:
+    """Each leaf's threshold re-aimed at ``target * k_l`` values (those of small k kept).
 
     Args:
       previous: float32 [L], the group's thresholds of the last step.
@@ -195,15 +209,16 @@ class AdaptedReuse:
       count: ``(thresholds [N, M], strides, leaves) -> int32 [N, M]``, the values
         of each listed leaf passing each threshold, counted on every stride-th
         value (`segmented.count_at`).
-      exact: ``leaves -> float32 [len(leaves)]``, their exact thresholds.
       sizes: the leaves' sizes (static).
     """
-    few = [i for i, (k, w) in enumerate(zip(ks, whole)) if k < self.exact_below_k and not w]
-    aimed = [i for i, w in enumerate(whole) if not w and i not in few]
+    few = self.every_step(ks, whole)
+    aimed = [i for i, w in enumerate(whole) if not w and not few[i]]
     chosen = self._aimed(previous, ks, aimed, count, sizes) if aimed else previous
-    if few:
-      chosen = chosen.at[np.asarray(few)].set(exact(few))
-    return Proposal(chosen, jnp.asarray(len(few), jnp.int32))
+    return Proposal(chosen, jnp.zeros((), jnp.int32))
+
+  def every_step(self, ks, whole) -> list[bool]:
+    """The leaves of ``k_l < exact_below_k``: their exact threshold is computed every step."""
+    return [k < self.exact_below_k and not w for k, w in zip(ks, whole)]
 
   def _aimed(self, previous, ks, aimed, count, sizes) -> jax.Array:
     """Thresholds of the `aimed` leaves aimed at ``target * k_l`` values, float32 [L].

@@ -147,14 +147,18 @@ def dlgs(
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
 
   Per leaf l: ``g = e + grad``; values with ``|g| >= H_l`` (and ``g != 0``) are
-  sent and the rest stays in the residual e. H_l is the exact k_l-th largest
-  ``|g|`` (``k_l = max(1, ceil(density * size_l))``) on step 0 and every
-  ``thresholds.every`` steps, and reused in between: the exact top-k that LAGS
-  pays every step is paid once a period. `thresholds` says how reused
-  thresholds are kept (`FixedReuse`, the paper), refreshed (`RefreshReuse`)
-  or re-aimed every step (`AdaptedReuse`, the default; `rules` says why). A
-  group's leaves are selected together: one counting pass, one compaction and
-  one conditional per group and step, however many leaves it holds.
+  sent and the rest stays in the residual e. H_l is computed exactly, the k_l-th
+  largest ``|g|`` (``k_l = max(1, ceil(density * size_l))``), on step 0 and
+  every ``thresholds.every`` steps, and reused until the next exact one: the
+  exact top-k that LAGS pays every step is paid once a period. A step selects
+  with the thresholds it starts from, and the exact ones of its values serve
+  from the next step on, so no group's message waits for an exact select (the
+  first step, which knows no threshold, keeps its values owed). `thresholds`
+  says how reused thresholds are kept (`FixedReuse`, the paper), refreshed
+  (`RefreshReuse`) or re-aimed every step (`AdaptedReuse`, the default; `rules`
+  says why). A group's leaves live in one flat buffer and are selected
+  together, in a fixed number of passes however many leaves it holds, and the
+  exact selects of every group run in the update's one conditional.
 
   Static shapes need a fixed buffer: leaf l sends at most
   ``min(size_l, ceil(capacity_factor * k_l))`` values, the first ones in flat
@@ -173,7 +177,7 @@ def dlgs(
       or a plan with ``.groups`` and ``.order``. ``None``: buckets of
       consecutive leaves (in `order`, else reverse flatten order) of up to
       `grouping.BUCKET_VALUES` values, as DDP buckets, so that the update's
-      conditionals and kernels do not grow with the number of leaves;
+      kernels grow with the model's size, not its number of leaves;
       ``[[path] for path in order]`` sends each leaf alone.
     order: backward order of all leaf paths (`grouping.backward_order`); when
       given, groups are checked to be contiguous runs of it and buckets follow it.

@@ -90,7 +90,7 @@ def test_nothing_lost_in_two_level_form_and_identical_everywhere(name, shape):
       np.testing.assert_allclose(nodes * local * u[0] + local * new,
                                  grads[key].sum(0) + local * old[key], rtol=1e-5, atol=1e-5)
       old[key] = new
-    assert any(np.count_nonzero(update[k][0]) for k in PARAMS)
+  assert any(np.count_nonzero(update[k][0]) for k in PARAMS)  # the last step sent
 
 
 @pytest.mark.parametrize("make", [lambda axis: dlgs_jax.dgc(0.2, axis_name=axis),

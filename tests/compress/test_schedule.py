@@ -53,9 +53,9 @@ def test_a_schedule_runs_in_data_parallel_with_the_checks_on():
   for _ in range(2):
     state, metrics = dp.step(state, jax.device_put(x, dp.batch_sharding))
     sent.append(float(metrics["selected"]))
-  # a (k 100, then 10) sends nothing before its first exact threshold; b's k is
-  # small enough (15, then 2) to be exact on every step.
-  assert sent == [15, 10 + 2]
+  # Nothing is sent before the first exact thresholds; then a (k 10) and b (k 2)
+  # pass more than their buffers at the thresholds of density 0.5.
+  assert sent == [0, 10 + 2]
   assert dlgs_jax.state_specs(state.opt_state, "data")[0].count == jax.sharding.PartitionSpec()
 
 
