@@ -82,17 +82,21 @@ def sparse_exchange(
       mean = collectives.sparse_allgather_mean(values, positions, length, axis_name=axis_name,
                                                wire_dtype=wire_dtype, apply=applied)
       sent, kept = positions, _unsent(values, wire_dtype)
+      # The slots filled: every segment's first min(passed, capacity) values.
+      count = jnp.sum(jnp.minimum(chosen.passed,
+                                  jnp.asarray(select.capacities(layout, group), jnp.int32)))
       bytes_out = bytes_in = wire.allgather_bytes(positions.shape[0], workers, wire_dtype)
     else:
       k = select.group_k(layout, group)
       mean, sent = collectives.gtopk_mean(flat, values, positions, k, axis_name=axis_name,
                                           apply=applied)
       kept = jnp.zeros((), jnp.float32)
+      count = selection.count_valid(sent, length)
       bytes_out, bytes_in = wire.gtopk_bytes(k, workers, collectives.worker_index(axis_name))
     residuals.append(_written(flat, sent, kept, length, applied,
                               None if previous is None else previous[group]))
     means.append(mean)
-    selected.append(selection.count_valid(sent, length))
+    selected.append(count)
     passed.append(jnp.sum(chosen.passed))
     sent_bytes.append(bytes_out)
     received_bytes.append(bytes_in)
