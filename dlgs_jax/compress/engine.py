@@ -313,13 +313,15 @@ def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
       sizes=segs.sizes)
 
 
-def initial_thresholds(select: Selection, layout: Layout, group: int) -> jax.Array:
-  """A group's thresholds before its first step: +inf (nothing known yet), 0 where sent whole.
+def initial_thresholds(layout: Layout, group: int) -> jax.Array:
+  """A group's thresholds before its first step: 0, as the paper's list V starts.
 
-  The first step sends no sparsified value: its exact thresholds are computed
-  from its values (`settle`) and every later step starts from them.
+  Every nonzero value passes 0, so the first step sends each leaf's first
+  values in index order, as many as its buffer holds (what any step sends when
+  more than its buffer pass), and keeps the rest owed; its exact thresholds
+  are computed from its values (`settle`) and serve from the next step on.
   """
-  return jnp.where(jnp.asarray(select.whole(layout, group)), 0.0, jnp.inf).astype(jnp.float32)
+  return jnp.zeros((len(layout.groups[group]),), jnp.float32)
 
 
 def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],

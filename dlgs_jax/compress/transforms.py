@@ -87,7 +87,7 @@ def _sparse_transform(
     count = jnp.zeros((), jnp.int32)
     stats = empty_stats(layout.group_paths(), layout.group_shapes())
     if with_thresholds:
-      thresholds = tuple(engine.initial_thresholds(select, layout, g)
+      thresholds = tuple(engine.initial_thresholds(layout, g)
                          for g in range(len(layout.groups)))
       return DLGSState(count, residuals, thresholds, stats)
     return SparseState(count, residuals, stats)

@@ -210,15 +210,22 @@ def test_a_step_selects_with_the_proposal_and_keeps_exact_thresholds_when_due():
       assert int(exact) == 0
 
 
-def test_a_first_step_sends_nothing_sparsified_and_keeps_exact_thresholds():
-  # Before its first step a group knows no threshold (+inf): nothing passes,
-  # everything stays owed, and the thresholds kept are this step's exact ones.
+def test_a_first_step_starts_from_zero_and_keeps_exact_thresholds():
+  # Before its first step a group's thresholds are 0, as the paper's list V
+  # starts: every nonzero value passes and each leaf sends its first values in
+  # index order, a buffer's worth; the thresholds kept are this step's exact ones.
   layout = group_layout((1000, 64))
-  for rule in (rules.FixedReuse(), rules.RefreshReuse(), rules.AdaptedReuse(exact_below_k=0)):
+  leaves = [np.random.default_rng(3).standard_normal(n).astype(np.float32) for n in (1000, 64)]
+  leaves[0][:5] = 0.0  # zeros never pass
+  for rule in (rules.FixedReuse(), rules.RefreshReuse(), rules.AdaptedReuse()):
     select = engine.Selection("threshold", DENSITY, rule=rule)
-    start = engine.initial_thresholds(select, layout, 0)
-    assert np.all(np.isinf(start))
-    leaves = [np.random.default_rng(3).standard_normal(n).astype(np.float32) for n in (1000, 64)]
+    start = engine.initial_thresholds(layout, 0)
+    np.testing.assert_array_equal(start, [0.0, 0.0])
+    flat = layout.lay_out(0, [jnp.asarray(x) for x in leaves])
+    picked = jax.jit(lambda v, t, s=select: engine.pick(s, layout, 0, v, t))(flat, start)
+    positions = np.asarray(picked.positions)
+    np.testing.assert_array_equal(positions[:100], np.arange(5, 105))
+    np.testing.assert_array_equal(positions[100:], np.arange(1024, 1024 + 7))
     got, exact = reuse_step(select, layout, leaves, np.asarray(start), recompute=True)
     np.testing.assert_array_equal(got, [kth_largest(leaves[0], 100), kth_largest(leaves[1], 7)])
     assert int(exact) == 2

@@ -53,9 +53,9 @@ def test_a_schedule_runs_in_data_parallel_with_the_checks_on():
   for _ in range(2):
     state, metrics = dp.step(state, jax.device_put(x, dp.batch_sharding))
     sent.append(float(metrics["selected"]))
-  # Nothing is sent before the first exact thresholds; then a (k 10) and b (k 2)
-  # pass more than their buffers at the thresholds of density 0.5.
-  assert sent == [0, 10 + 2]
+  # Thresholds start at 0: every buffer fills; then a (k 10) and b (k 2) pass more
+  # than their buffers at the exact thresholds of density 0.5.
+  assert sent == [100 + 15, 10 + 2]
   assert dlgs_jax.state_specs(state.opt_state, "data")[0].count == jax.sharding.PartitionSpec()
 
 

@@ -69,7 +69,7 @@ def test_every_compressor_of_a_chain_is_reported():
   assert [g["paths"] for g in by_kind["sparse"]["groups"]] == [["conv/kernel", "conv/bias"]]
   # At most the buffers, ceil(0.1 * 72) + ceil(0.1 * 8): the thresholds of the second step
   # are exact for the first step's values.
-  assert 8 <= by_kind["sparse"]["groups"][0]["selected"] <= 8 + 1
+  assert 1 <= by_kind["sparse"]["groups"][0]["selected"] <= 8 + 1
   dense_step = dlgs_jax.compress.wire.allreduce_bytes(10, W) + dlgs_jax.compress.wire.allreduce_bytes(160, W)
   assert by_kind["dense"]["total_sent"] == round(2 * dense_step)
 

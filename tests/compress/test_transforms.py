@@ -58,34 +58,22 @@ def test_nothing_lost_and_identical_updates(name, density):
     np.testing.assert_allclose(
         W * u[0] + new_residual.sum(0),
         (flat_workers(grads) + old_residual).sum(0), rtol=1e-5, atol=1e-5)
-    # DLGS's first step knows no threshold and keeps everything owed.
-    assert np.count_nonzero(u[0]) > 0 or (step == 0 and name.startswith("dlgs"))
+    assert np.count_nonzero(u[0]) > 0
     old_residual = new_residual
 
 
-@pytest.mark.parametrize("name", sorted(methods(1.0)) + ["dlgs_paper"])
+@pytest.mark.parametrize("name", sorted(methods(1.0)))
 def test_density_one_equals_dense_mean(name):
-  """At density 1 every value goes out at once; DLGS's first step knows no threshold yet
-  and keeps everything owed, and nothing is lost."""
+  """At density 1 every buffer holds its whole leaf: every value goes out at once."""
   rng = np.random.default_rng(1)
-  steps = [random_grads(PARAMS, W, rng) for _ in range(2)]
-  tx = (dlgs_jax.dlgs(1.0, axis_name="data", thresholds=dlgs_jax.FixedReuse(10))
-        if name == "dlgs_paper" else methods(1.0)[name])
-  updates, state, _ = run_steps(tx, PARAMS, steps, W)
-  dense, _, _ = run_steps(dlgs_jax.dense(axis_name="data"), PARAMS, steps, W)
-  owed = flat_workers(steps[0]) + flat_workers(steps[1])
-  sent = flat_workers(updates[0])[0] + flat_workers(updates[1])[0]
-  left = flat_workers(residual_tree(state, PARAMS))
-  np.testing.assert_allclose(W * sent + left.sum(0), owed.sum(0), rtol=1e-5, atol=1e-5)
-  if name == "dlgs_paper":
-    np.testing.assert_allclose(flat_workers(updates[0]), 0.0)
-    assert np.count_nonzero(flat_workers(updates[1])[0]) > 0.9 * sent.size
-  elif not name.startswith("dlgs"):
-    for update, d in zip(updates, dense):
-      np.testing.assert_allclose(flat_workers(update)[0], flat_workers(d)[0], rtol=1e-5,
-                                 atol=1e-6)
-  if not name.startswith("dlgs"):
-    np.testing.assert_allclose(left, 0.0, atol=1e-6)
+  grads = random_grads(PARAMS, W, rng)
+  (update,), state, _ = run_steps(methods(1.0)[name], PARAMS, [grads], W)
+  (dense_update,), _, _ = run_steps(dlgs_jax.dense(axis_name="data"), PARAMS, [grads], W)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(grads).mean(0), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(flat_workers(update)[0], flat_workers(dense_update)[0], rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(flat_workers(residual_tree(state, PARAMS)), 0.0, atol=1e-6)
 
 
 def test_dense_fused_groups_equal_mean_and_use_one_collective_per_group():
@@ -174,7 +162,7 @@ def test_dlgs_reused_threshold_respects_capacity_and_counts_overflow():
   _, state, states = run_steps(tx, PARAMS, [first, later], W)
   sizes = [x.size for x in jax.tree_util.tree_leaves(PARAMS)]
   capacity = sum(max(1, int(np.ceil(0.1 * s))) for s in sizes)
-  assert states[0].stats.selected[0].sum() == 0  # the first step knows no threshold yet
+  assert states[0].stats.selected[0].sum() == capacity  # thresholds start at 0
   assert state.stats.selected[0].sum() == capacity
   assert state.stats.passed[0].sum() > capacity
 
@@ -377,7 +365,7 @@ def test_leaves_sent_whole_arrive_exact_and_the_rest_stays_sparse(make, whole):
       assert not np.any(np.asarray(residual_tree(state, PARAMS)[module][name]))
     kernel = np.asarray(update["conv"]["kernel"])[0]
     assert np.count_nonzero(kernel) <= W * int(np.ceil(0.2 * kernel.size))
-    assert np.count_nonzero(kernel) > 0 or step == 0  # DLGS's first: nothing sparsified
+    assert np.count_nonzero(kernel) > 0
     assert np.any(np.asarray(residual_tree(state, PARAMS)["conv"]["kernel"]))
     np.testing.assert_allclose(
         W * flat_workers(update)[0] + flat_workers(residual_tree(state, PARAMS)).sum(0),
@@ -386,7 +374,7 @@ def test_leaves_sent_whole_arrive_exact_and_the_rest_stays_sparse(make, whole):
   # k of a whole leaf is its size: the message carries it whole.
   want = sum(x.size if path in whole else int(np.ceil(0.2 * x.size))
              for path, x in zip(grouping.leaf_paths(PARAMS), jax.tree_util.tree_leaves(PARAMS)))
-  assert int(states[1].stats.selected[0].sum()) == want
+  assert int(states[0].stats.selected[0].sum()) == want
 
 
 @pytest.mark.parametrize("kwargs,whole", [
@@ -447,11 +435,11 @@ def numpy_dlgs_steps(steps, density, every, capacity_factor=1.0):
   first ones in index order when more than the buffer pass), all-gathers them
   and averages; on step 0 and every `every` steps the thresholds kept for the
   next step are the exact k-th largest of this step's g = e + grad (before
-  step 0: +inf, nothing known). Returns (means, residuals) per step, flat.
+  step 0: 0, so every nonzero value passes). Returns (means, residuals) per step, flat.
   """
   leaves = [[np.asarray(x) for x in jax.tree_util.tree_leaves(g)] for g in steps]
   residual = [np.zeros_like(x) for x in leaves[0]]
-  thresholds = [np.full(W, np.inf, np.float32) for _ in leaves[0]]
+  thresholds = [np.zeros(W, np.float32) for _ in leaves[0]]
   out = []
   for t, grads in enumerate(leaves):
     means, kept = [], []
@@ -494,10 +482,9 @@ def test_single_worker_axis_none():
   rng = np.random.default_rng(8)
   g = jax.tree_util.tree_map(lambda x: x[0], random_grads(PARAMS, 1, rng))
   state = tx.init(PARAMS)
-  first, state = jax.jit(tx.update)(g, state)  # keeps g owed: no threshold known yet
   update, new_state = jax.jit(tx.update)(g, state)
-  np.testing.assert_allclose(flat(first) + flat(update) + flat(residual_tree(new_state, PARAMS)),
-                             2 * flat(g), rtol=1e-6)
+  np.testing.assert_allclose(flat(update) + flat(residual_tree(new_state, PARAMS)), flat(g),
+                             rtol=1e-6)
   assert float(new_state.stats.bytes_sent) == 0.0
   assert 0 < np.count_nonzero(flat(update)) <= sum(
       int(np.ceil(0.1 * x.size)) for x in jax.tree_util.tree_leaves(PARAMS))

@@ -133,10 +133,10 @@ def test_the_how_page_runs_dlgs_and_draws_its_thresholds_and_the_planners_timeli
   page = text_of(site, "how_dlgs_works")
   k = int(re.search(r"k = (\d+) values of 8192", page).group(1))
   assert k == 410  # ceil(0.05 * 8192)
-  # Step 0 knows no threshold yet; the step after an exact one sends about k (the
-  # threshold is exact for the step before), never more than the buffer.
-  after = re.search(r"values sent on step 0: 0; on the steps after exact ones: \[([\d, ]+)\]",
-                    page).group(1)
+  # Step 0 starts from thresholds of 0 and fills the buffer; the step after an exact
+  # one sends about k (the threshold is exact for the step before), never more.
+  after = re.search(rf"values sent on step 0: {k}; on the steps after exact ones: "
+                    r"\[([\d, ]+)\]", page).group(1)
   assert all(0.9 * k <= int(n) <= k for n in after.split(",")), after
   times = dict(re.findall(r"(wfbp|single|optimal)\s+\d+ messages, one iteration ([\d.]+) ms", page))
   assert float(times["optimal"]) <= float(times["single"]) < float(times["wfbp"])
