@@ -359,7 +359,11 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
   redo, counted = [], jnp.zeros((), jnp.int32)
   for g, (chosen, last) in enumerate(zip(picked, previous)):
     sparse = [not w for w in whole[g]]
-    drifted = rule.drifted(chosen.passed, ks[g], select.capacities(layout, g), sparse, last > 0)
+    # Leaves recomputed on every step do not vote: their reused threshold is one
+    # step old whatever the group does, and a leaf of k = 1 passing three values
+    # would otherwise send its group to an exact step nearly every time.
+    voting = [s and not f for s, f in zip(sparse, few[g])]
+    drifted = rule.drifted(chosen.passed, ks[g], select.capacities(layout, g), voting, last > 0)
     redo.append(recompute | drifted)
     counted = counted + jnp.where(redo[-1], sum(sparse), sum(few[g])).astype(jnp.int32)
 

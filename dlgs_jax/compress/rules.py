@@ -120,7 +120,8 @@ class RefreshReuse:
       passed: int32 [L], values each leaf passes at its reused threshold.
       ks: the leaves' k_l (static, [L]).
       capacities: their buffer sizes (static, [L]).
-      sparse: static bool [L], False for leaves sent whole (never checked).
+      sparse: static bool [L], False for leaves sent whole or recomputed on every
+        step (never checked).
       live: bool [L], False where the threshold is 0: the last exact step found
         fewer than k_l nonzero values, so the leaf sends every one it has and
         recomputing cannot make it send more.
