@@ -131,8 +131,6 @@ TIMING_ALLOWED = {
     ("dlgs_jax.workload.sharded_step", "40 s"),  # XLA:CPU's collective abort
     ("dlgs_jax.compress.rules", "3%"),           # 1/sqrt(1024): counting error
     ("dlgs_jax.compress.rules", "9%"),           # 2^(1/8): the candidates' step
-    ("dlgs_jax.compress.segmented", "7%"),       # a count's spread around 1.5 k
-    ("dlgs_jax.compress.selection", "7%"),
     ("dlgs_jax.profiling.in_step", "95%"),       # a confidence level
     ("dlgs_jax.profiling.timing", "95%"),
 }

@@ -42,11 +42,6 @@ from dlgs_jax.compress import selection
 
 WORD = 32
 
-# A lower bound needs no more precision than the sample gives: the 17 highest
-# bits of a positive float32 fix it to 2^-9 of its value.
-_BOUND_BITS = 17
-
-
 @dataclasses.dataclass(frozen=True)
 class Segments:
   """Static layout of leaves laid end to end, each padded to whole 32-value words."""

@@ -38,22 +38,6 @@ def num_to_keep(density: float, size: int) -> int:
   return int(min(size, max(1, math.ceil(density * size - 1e-9))))
 
 
-# Up to this size a leaf's values are all candidates for its exact threshold:
-# a sample would cost about as much as the pass it saves.
-SMALL_LEAF = 1 << 15
-
-
-def sample_stride(size: int, k: int) -> int:
-  """Stride of the sample that bounds a leaf's k-th largest value from below.
-
-  At least 16,384 and 128 n/k samples: about 190 sample values then lie above
-  a bound aimed at 1.5k values, so the count passing it has a relative spread
-  of ~7% and leaves the window [k, 2k] very rarely. The stride shares no
-  factor with the size (`coprime_stride`).
-  """
-  return coprime_stride(size // min(size, max(16384, 128 * size // k)), size)
-
-
 def coprime_stride(stride: int, size: int) -> int:
   """The largest stride <= `stride` that shares no factor with `size`.
 

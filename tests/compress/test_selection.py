@@ -25,7 +25,7 @@ def test_coprime_stride_is_the_largest_sharing_no_factor_with_the_size():
 
 def test_the_sample_of_a_head_of_1000_classes_sees_every_class():
   # Every 125th value of a 2048x1000 layer would see 8 of its 1000 classes.
-  size, k = 2048 * 1000, 20480
-  stride = selection.sample_stride(size, k)
+  size = 2048 * 1000
+  stride = selection.coprime_stride(125, size)
   assert stride == 123 and math.gcd(stride, 1000) == 1
   assert len(set((np.arange(0, size, stride) % 1000).tolist())) == 1000
