@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dlgs_jax
-from dlgs_jax.compress import engine, grouping, segmented
+from dlgs_jax.compress import engine, grouping
 from dlgs_jax.compress.methods import MethodConfig
 from dlgs_jax.compress.state import comm_stats
 from dlgs_jax.workload import models
@@ -53,15 +53,23 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def threshold_step(layout, select, reuse_every):
-  """DLGS's selection of one step under `select` (jitted), exact when count % reuse_every == 0."""
+  """DLGS's selection of one step under `select` (jitted): its positions and the thresholds
+  kept for the next step, exact when count % reuse_every == 0 (`engine.settle`)."""
 
   @jax.jit
   def step(leaves, thresholds, count):
-    thresholds, picked, _ = engine.pick(
-        select, layout, leaves, thresholds, count % reuse_every == 0)
-    return [p.positions for p in picked], thresholds
+    flats = [layout.lay_out(g, leaves) for g in range(len(layout.groups))]
+    picked = [engine.pick(select, layout, g, flat, t)
+              for g, (flat, t) in enumerate(zip(flats, thresholds))]
+    kept, _ = engine.settle(select, layout, flats, picked, thresholds,
+                            count % reuse_every == 0)
+    return [p.positions for p in picked], kept
 
   return step
+
+
+def initial_thresholds(layout) -> list:
+  return [engine.initial_thresholds(layout, g) for g in range(len(layout.groups))]
 
 
 def rule_of(candidates, reuse_every):
@@ -73,9 +81,7 @@ def make_selectors(params, density, reuse_every, grouped, candidates):
   """DLGS's (adapted and paper) selection, LAGS's and Top-k's, jitted; `grouped` as `--grouping`."""
   layout = engine.make_layout(params, None, None, single_group=grouped == "single",
                               buckets=grouped == "default")
-  sizes = layout.sizes
   select = engine.Selection("threshold", density, rule=rule_of(candidates, reuse_every))
-  ks = [select.leaf_k(layout, leaf) for leaf in range(len(sizes))]
   dlgs_step = threshold_step(layout, select, reuse_every)
   paper = engine.Selection("threshold", density, rule=dlgs_jax.FixedReuse(reuse_every))
   paper_step = threshold_step(layout, paper, reuse_every)
@@ -84,16 +90,17 @@ def make_selectors(params, density, reuse_every, grouped, candidates):
 
   @jax.jit
   def lags_step(leaves):
-    return [p.positions for p in engine.pick(lags, layout, leaves)[1]]
+    return [engine.pick(lags, layout, g, layout.lay_out(g, leaves)).positions
+            for g in range(len(layout.groups))]
 
   whole = engine.make_layout(params, None, None, single_group=True)
   topk = engine.Selection("group_topk", density)
 
   @jax.jit
   def topk_step(leaves):
-    return engine.pick(topk, whole, leaves)[1][0].positions
+    return engine.pick(topk, whole, 0, whole.lay_out(0, leaves)).positions
 
-  return dlgs_step, paper_step, lags_step, topk_step
+  return dlgs_step, paper_step, lags_step, topk_step, initial_thresholds(layout)
 
 
 def step_gradients(params, steps: int, seed: int = 0) -> list:
@@ -153,9 +160,8 @@ def bench_config(name, density, reuse_every, repeats, with_updates, grouped, can
   grads = period[0]
   leaves = jax.tree_util.tree_leaves(grads)
   sizes = [int(g.size) for g in leaves]
-  dlgs_step, paper_step, lags_step, topk_step = make_selectors(
+  dlgs_step, paper_step, lags_step, topk_step, thresholds = make_selectors(
       params, density, reuse_every, grouped, candidates)
-  thresholds = [jnp.zeros((), jnp.float32) for _ in leaves]
   _, thresholds = dlgs_step(leaves, thresholds, jnp.int32(0))
 
   def cycle(step):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from typing import Any, Optional, Sequence
 
@@ -22,12 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dlgs_jax.compress import collectives
 from dlgs_jax.compress import grouping
 from dlgs_jax.compress import rules
 from dlgs_jax.compress import segmented
 from dlgs_jax.compress import selection
-from dlgs_jax.compress import wire
 
 SELECTIONS = ("threshold", "layer_topk", "group_topk")
 SPARSE_COLLECTIVES = ("allgather", "gtopk")
@@ -290,7 +287,7 @@ def accumulate(layout: Layout, group: int, residual: jax.Array,
 
 
 def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
-            previous: jax.Array) -> rules.Proposal:
+            previous: jax.Array) -> jax.Array:
   """H_l of a group's leaves for this step, as ``select.rule`` proposes from the last ones.
 
   Reused as they are (`FixedReuse`, `RefreshReuse`) or re-aimed from a few
@@ -407,14 +404,13 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["positions", "passed", "thresholds", "exact"], meta_fields=[])
+                   data_fields=["positions", "passed", "thresholds"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Picked:
   """A group's values that passed their thresholds, in fixed-capacity slots (`pick`)."""
   positions: jax.Array   # int32[sum(capacities)]: positions in the group's buffer, segment after segment; sentinel: the buffer's length
   passed: jax.Array      # int32[segments]: values that passed per segment (> its capacity on overflow)
   thresholds: Any        # float32[L]: the H_l DLGS selected with; None for the other kinds
-  exact: jax.Array       # int32[]: leaves among them computed exactly (DLGS's leaves of small k)
 
 
 def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
@@ -438,14 +434,13 @@ def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
   ks, capacities = select.ks(layout, group), select.capacities(layout, group)
   if select.kind == "threshold":
     proposal = propose(select, layout, group, flat, previous)
-    positions, passed = segmented.compact(segmented.pack(flat, proposal.thresholds, segs), segs,
-                                          capacities)
-    return Picked(positions, passed, proposal.thresholds, proposal.exact)
+    positions, passed = segmented.compact(segmented.pack(flat, proposal, segs), segs, capacities)
+    return Picked(positions, passed, proposal)
   found = segmented.exact_thresholds(flat, segs, ks, select.whole(layout, group))
   at_or_above = segmented.pack(flat, found, segs)
   above = segmented.pack(flat, jnp.nextafter(found, jnp.inf), segs)
   positions, passed = segmented.compact_top(above, at_or_above & ~above, segs, capacities)
-  return Picked(positions, passed, None, jnp.zeros((), jnp.int32))
+  return Picked(positions, passed, None)
 
 
 def pick_at(select: Selection, layout: Layout, group: int, flat: jax.Array,
@@ -462,4 +457,4 @@ def pick_at(select: Selection, layout: Layout, group: int, flat: jax.Array,
   segs = layout.buffer(group)
   words = segmented.pack(flat, thresholds, segs)
   positions, passed = segmented.compact(words, segs, select.capacities(layout, group))
-  return Picked(positions, passed, thresholds, jnp.zeros((), jnp.int32))
+  return Picked(positions, passed, thresholds)

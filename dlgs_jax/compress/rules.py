@@ -28,23 +28,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Callable, NamedTuple, Sequence, Union
+from typing import Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dlgs_jax.compress import selection
-
-
-class Proposal(NamedTuple):
-  """A rule's thresholds for a reuse step (`propose`)."""
-  thresholds: jax.Array  # float32 [L]: one per leaf of the group
-  exact: jax.Array       # int32[]: leaves among them computed exactly
-
-
-def _kept(previous: jax.Array) -> Proposal:
-  return Proposal(previous, jnp.zeros((), jnp.int32))
 
 
 def _check_every(rule: str, every) -> None:
@@ -73,9 +63,9 @@ class FixedReuse:
   def __post_init__(self):
     _check_every("FixedReuse", self.every)
 
-  def propose(self, previous, **_) -> Proposal:
-    """The reused thresholds as they are."""
-    return _kept(previous)
+  def propose(self, previous, **_) -> jax.Array:
+    """The reused thresholds as they are (float32 [L])."""
+    return previous
 
   def every_step(self, ks, whole) -> list[bool]:
     """No leaf's threshold is computed exactly on every step."""
@@ -104,9 +94,9 @@ class RefreshReuse:
     _check_every("RefreshReuse", self.every)
     _check_below("RefreshReuse", self.below)
 
-  def propose(self, previous, **_) -> Proposal:
-    """The reused thresholds as they are."""
-    return _kept(previous)
+  def propose(self, previous, **_) -> jax.Array:
+    """The reused thresholds as they are (float32 [L])."""
+    return previous
 
   def every_step(self, ks, whole) -> list[bool]:
     """No leaf's threshold is computed exactly on every step."""
@@ -200,8 +190,10 @@ class AdaptedReuse:
     return (2.0 ** (np.arange(-below, self.candidates - below) / 8)).astype(np.float32)
 
   def propose(self, previous: jax.Array, *, ks: Sequence[int], whole: Sequence[bool],
-              count: Callable, sizes: Sequence[int]) -> Proposal:
+              count: Callable, sizes: Sequence[int]) -> jax.Array:
     """Each leaf's threshold re-aimed at ``target * k_l`` values (those of small k kept).
+
+    Returns float32 [L].
 
     Args:
       previous: float32 [L], the group's thresholds of the last step.
@@ -215,7 +207,7 @@ class AdaptedReuse:
     few = self.every_step(ks, whole)
     aimed = [i for i, w in enumerate(whole) if not w and not few[i]]
     chosen = self._aimed(previous, ks, aimed, count, sizes) if aimed else previous
-    return Proposal(chosen, jnp.zeros((), jnp.int32))
+    return chosen
 
   def every_step(self, ks, whole) -> list[bool]:
     """The leaves of ``k_l < exact_below_k``: their exact threshold is computed every step."""

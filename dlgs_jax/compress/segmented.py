@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

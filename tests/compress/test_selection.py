@@ -1,7 +1,5 @@
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
