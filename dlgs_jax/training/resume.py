@@ -206,7 +206,7 @@ def _restore_per_leaf(run: Run, ckpt, differences: dict) -> dict:
   except checkpoint.CheckpointCorrupt as e:
     raise RunError(f"refusing to resume: the checkpoint's residuals kept leaf by leaf could "
                    f"not be read for this run's transforms ({e})") from None
-  opt_state = _to_flat(restored.opt_state, jax.tree_util.tree_map(_host_of, state.opt_state))
+  opt_state = _to_flat(restored.opt_state, jax.tree_util.tree_map(_host, state.opt_state))
   run.state = state._replace(
       params=parallel.replicate(restored.params, run.mesh),
       batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
@@ -216,12 +216,6 @@ def _restore_per_leaf(run: Run, ckpt, differences: dict) -> dict:
   run.log("the checkpoint kept its residuals leaf by leaf: laid out in flat buffers, values "
           "unchanged")
   return record
-
-
-def _host_of(x):
-  import numpy as np
-
-  return np.zeros(x.shape, x.dtype)
 
 
 def _flat_states(tree) -> list:
@@ -253,13 +247,13 @@ def _per_leaf_shapes(opt_state, params):
 
   def convert(node):
     if not isinstance(node, kinds):
-      return jax.tree_util.tree_map(_host_of, node)
+      return jax.tree_util.tree_map(_host, node)
     groups = node.stats.groups
     shapes = {p: s for ps, ss in zip(groups.paths, groups.shapes) for p, s in zip(ps, ss)}
     workers, dtype = node.residuals[0].shape[0], node.residuals[0].dtype
     residuals = jax.tree_util.tree_unflatten(
         structure, [_host(jax.ShapeDtypeStruct(shapes[p], dtype), workers) for p in paths])
-    old = jax.tree_util.tree_map(_host_of, node)._replace(residuals=residuals)
+    old = jax.tree_util.tree_map(_host, node)._replace(residuals=residuals)
     if isinstance(node, DLGSState):
       old = old._replace(thresholds=jax.tree_util.tree_unflatten(
           structure, [_host(jax.ShapeDtypeStruct((), node.thresholds[0].dtype), workers)
