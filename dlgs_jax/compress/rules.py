@@ -243,7 +243,14 @@ class AdaptedReuse:
     part = jnp.clip(part, 0.0, 1.0)[:, 0]
     f_lo = jnp.asarray(factors)[lo[:, 0]]
     f_hi = jnp.asarray(factors)[lo[:, 0] + 1]
-    return previous.at[aimed_at].set(previous[aimed_at] * (f_lo + part * (f_hi - f_lo)))
+    factor = f_lo + part * (f_hi - f_lo)
+    # Back to every leaf by a gather and a select (fused into one pass), not a
+    # scatter into `previous` (a kernel of its own in every group).
+    row = np.zeros(len(ks), np.int32)
+    row[aimed_at] = np.arange(len(aimed_at))
+    is_aimed = np.zeros(len(ks), bool)
+    is_aimed[aimed_at] = True
+    return jnp.where(is_aimed, previous * factor[row], previous)
 
   def drifted(self, passed, ks, capacities, sparse, live) -> jax.Array:
     """Whether a group sends too little altogether or a leaf overflows (bool scalar).
@@ -253,13 +260,16 @@ class AdaptedReuse:
     sparse = np.asarray(sparse)
     capacities = np.asarray(capacities)
     counted = live & sparse
-    sent = jnp.sum(jnp.where(counted, jnp.minimum(passed, capacities), 0))
-    short = sent < jnp.ceil(self.below * jnp.sum(jnp.where(counted, np.asarray(ks), 0)))
+    # The three totals in one reduction: values sent, their k, leaves overflowing.
     if math.isinf(self.overflow):  # never: floor(inf * capacity) has no int64 value
-      return short
-    most = np.floor(self.overflow * capacities).astype(np.int64)
-    overflow = jnp.any((passed > most) & sparse)
-    return short | overflow
+      over = jnp.zeros_like(passed)
+    else:
+      most = np.floor(self.overflow * capacities).astype(np.int64)
+      over = ((passed > most) & sparse).astype(passed.dtype)
+    sent, asked, overflowing = jnp.sum(jnp.stack([
+        jnp.where(counted, jnp.minimum(passed, capacities), 0),
+        jnp.where(counted, np.asarray(ks, np.int32), 0), over]), axis=1)
+    return (sent < jnp.ceil(self.below * asked)) | (overflowing > 0)
 
 
 # Counting candidates on every stride-th value keeps about this many values of

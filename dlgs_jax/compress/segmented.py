@@ -12,7 +12,7 @@ once and every pass handles all leaves together:
 
 * `pack`: one comparison against per-leaf thresholds broadcast by word, the
   mask packed 32 to a word (zeros never pass);
-* `segment_sums`: per-leaf totals of per-word numbers from one prefix sum;
+* `segment_sums`: per-leaf totals of per-word numbers, one scatter-add;
 * `kth_largest`: exact k_l-th largest ``|g|`` of every leaf by a radix
   select on the float's bits (three histogram passes, no sort, no
   conditional, no data-dependent loop);
@@ -122,9 +122,15 @@ def _leaf_table(counts: tuple[int, ...]) -> jax.Array:
 
 
 def segment_sums(per_word_values: jax.Array, segs: Segments) -> jax.Array:
-  """Per-leaf totals [L, ...] of int32 per-word numbers [W, ...], from one prefix sum."""
-  ends = jnp.cumsum(per_word_values, axis=0)[segs.word_ends - 1]
-  return jnp.diff(ends, axis=0, prepend=jnp.zeros_like(ends[:1]))
+  """Per-leaf totals [L, ...] of int32 per-word numbers [W, ...], in one scatter-add.
+
+  A prefix sum would do it too, but XLA splits a long one into a tree of
+  about ten kernels; the scatter is one (into L bins, by the leaf table).
+  """
+  if len(segs.sizes) == 1:
+    return jnp.sum(per_word_values, axis=0, keepdims=True)
+  bins = jnp.zeros((len(segs.sizes),) + per_word_values.shape[1:], per_word_values.dtype)
+  return bins.at[_leaf_table(segs.words)].add(per_word_values, mode="drop")
 
 
 def pack(flat: jax.Array, thresholds: jax.Array, segs: Segments) -> jax.Array:
@@ -247,8 +253,10 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
   counts = lax.population_count(words).astype(jnp.int32)
   inclusive = jnp.cumsum(counts)
   word_starts = inclusive - counts
-  passed = segment_sums(counts, segs)
-  leaf_base = inclusive[segs.word_ends - 1] - passed  # passing values before each leaf
+  # Passing values up to each leaf's end, and before its start: its count is
+  # their difference, read off the prefix sum the slots need anyway.
+  leaf_base = word_starts[segs.word_ends - np.asarray(segs.words)]
+  passed = inclusive[segs.word_ends - 1] - leaf_base
   rank = word_starts - per_word(leaf_base, segs)  # rank in its leaf of the word's first value
   fits = (counts > 0) & (rank < per_word(jnp.asarray(capacities, jnp.int32), segs))
   first_slot = per_word(jnp.asarray(slot_starts), segs) + rank
