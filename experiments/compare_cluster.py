@@ -217,6 +217,7 @@ def main(argv=None) -> int:
   methods = args.methods.split(",")
   from dlgs_jax.cluster import netns
   from dlgs_jax.cluster import launch
+  from dlgs_jax.compress import state as state_layout
   from dlgs_jax.workload.models import leaf_shapes
   from dlgs_jax.planning.planner import Plan
   from dlgs_jax.planning.timeline import Profile
@@ -290,6 +291,8 @@ def main(argv=None) -> int:
     payload.update(profile=str(args.profile), predicted=predictions(
         payload, profile, leaf_shapes(args.model, image_size=args.image_size),
         {name: Plan.load(path) for name, path in plans.items()}))
+  # Which engine's state the sparse methods kept, so a table can tell runs apart.
+  payload.update(layout=state_layout.LAYOUT)
   payload.update(bandwidth=args.bandwidth, command=command, seconds=time.time() - started,
                  summary=summarize(payload), wins=wins(payload))
   (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))

@@ -1,0 +1,202 @@
+"""The tables the README, the docs and the report share, rendered from the result JSONs.
+
+A rendered table sits in a Markdown file between ``<!-- table: NAME -->`` and
+``<!-- end table -->``; NAME is one of `TABLES`. This script rewrites every
+such block from the JSONs under ``experiments/results/``, so a number is
+written once, by the run that measured it:
+
+    python experiments/render.py           # rewrite the blocks
+    python experiments/render.py --check   # exit 1 naming each block that differs
+
+``tests/experiments/test_render.py`` runs the check, so a table edited by hand
+or a result rerun without rendering fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "experiments" / "results"
+# The Markdown files that hold rendered tables.
+FILES = ("README.md", "docs/results.md", "experiments/README.md")
+BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- end table -->)", re.S)
+
+MODELS = {"resnet50": "ResNet-50 (32x32)", "vgg16": "VGG16", "resnet20": "ResNet-20"}
+LINKS = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s"}
+# The cluster rows, in the order the README reads them (link first, then model).
+CLUSTER_ROWS = [(model, link) for link in ("100mbit", "1gbit")
+                for model in ("resnet50", "vgg16", "resnet20")]
+SPARSE = (("dlgs", "DLGS default"), ("dlgs-paper", "DLGS, paper's rule"), ("topk", "Top-k"),
+          ("lags", "LAGS"), ("gtopk", "gTop-k"))
+
+
+def _load(path: Path) -> Optional[dict]:
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def cluster_runs(model: str, link: str) -> tuple[Optional[dict], Optional[dict]]:
+  """The paired cluster job of a row, and the job that ran LAGS and gTop-k where it is another."""
+  base = RESULTS / "compare" / "batched"
+  main = _load(base / f"{model}_{link}" / f"compare_{model}_0.01.json")
+  extra = _load(base / f"{model}_{link}_lags_gtopk" / f"compare_{model}_0.01.json")
+  return main, extra
+
+
+def _summary(run: Optional[dict], method: str) -> Optional[dict]:
+  if run is None:
+    return None
+  return next((row for row in run["summary"] if row["method"] == method), None)
+
+
+def _speedups(model: str, link: str) -> dict[str, tuple[dict, dict, bool]]:
+  """Method -> (its summary row, its job, whether that job is the row's second one)."""
+  main, extra = cluster_runs(model, link)
+  out = {}
+  for method, _ in SPARSE:
+    row = _summary(main, method)
+    if row is not None:
+      out[method] = (row, main, False)
+    elif _summary(extra, method) is not None:
+      out[method] = (_summary(extra, method), extra, True)
+  return out
+
+
+def _flat(run: dict) -> str:
+  # Runs that record no layout predate flat buffers.
+  return " †" if run.get("layout") == "flat buffers per group" else ""
+
+
+def _best(found: dict) -> float:
+  return max(row["speedup"] for row, _, _ in found.values())
+
+
+def _cell(found: dict, method: str, detail: bool) -> str:
+  if method not in found:
+    return "-"
+  row, run, second = found[method]
+  text = f"{row['speedup']:.2f}x"
+  if row["speedup"] == _best(found):
+    text = f"**{text}**"
+  if detail:
+    rounds = len(run["round_orders"])
+    if method.startswith("dlgs"):
+      text += f" ({row['speedup_min']:.2f}-{row['speedup_max']:.2f})"
+    text += f" {row['faster_than_reference']}/{rounds}" + (" *" if second else "")
+  return text
+
+
+def speedups(commands: bool = False) -> str:
+  """Speedup over dense per model, link and method; the row's fastest in bold."""
+  head = "| model | link | " + " | ".join(name for _, name in SPARSE)
+  lines = [head + (" | command |" if commands else " |"),
+           "|---" * (2 + len(SPARSE) + commands) + "|"]
+  first = True
+  for model, link in CLUSTER_ROWS:
+    found = _speedups(model, link)
+    if not found:
+      continue
+    cells = [MODELS[model], LINKS[link] + _flat(cluster_runs(model, link)[0])]
+    cells += [_cell(found, method, detail=False) for method, _ in SPARSE]
+    if commands:
+      steps = [f"compare_batched_{model}_{link}"] + (
+          [f"compare_batched_{model}_{link}_lags_gtopk"] if cluster_runs(model, link)[1] else [])
+      prefix = "python experiments/run_suite.py --full" if first else "..."
+      cells.append(f"`{prefix} --only {','.join(steps)}`")
+      first = False
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _leaves(model: str) -> int:
+  from dlgs_jax.workload import models  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return len(jax.tree_util.tree_leaves(models.param_shapes(model)))
+
+
+def _number(x: float) -> str:
+  return f"{x:.1f}".rstrip("0").rstrip(".")
+
+
+def cluster_report() -> str:
+  """The report's cluster table: speedups with their range and rounds, and DLGS's own columns."""
+  lines = ["| model | link | dense step | `dlgs` (default) | `dlgs-paper` | Top-k | LAGS | gTop-k "
+           "| `dlgs` exact | `dlgs` − `dlgs-paper` |", "|---" * 10 + "|"]
+  for link in ("1gbit", "100mbit"):
+    for model in ("vgg16", "resnet20", "resnet50"):
+      main, _ = cluster_runs(model, link)
+      if main is None:
+        continue
+      found = _speedups(model, link)
+      dense = main["methods"]["dense"]["median"]
+      cells = [MODELS[model], LINKS[link] + _flat(main), f"{dense * 1e3:.0f} ms"]
+      cells += [_cell(found, method, detail=True) for method, _ in SPARSE]
+      dlgs, paper = main["methods"].get("dlgs"), main["methods"].get("dlgs-paper")
+      cells.append(f"{_number(dlgs['exact_leaves'])} of {_leaves(model)}" if dlgs else "-")
+      if dlgs and paper:
+        rounds = len(main["round_orders"])
+        cells.append(f"{(dlgs['median'] / paper['median'] - 1) * 100:+.1f}%, "
+                     f"{main['wins']['dlgs']['dlgs-paper']}/{rounds}")
+      else:
+        cells.append("-")
+      lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "cluster-speedups": speedups,
+    "cluster-speedups-commands": lambda: speedups(commands=True),
+    "cluster-report": cluster_report,
+}
+
+
+def render(text: str, where: str = "") -> tuple[str, list[str]]:
+  """`text` with every table block rendered anew, and the names of the blocks that changed.
+
+  Raises:
+    ValueError: for a block naming no table of `TABLES`.
+  """
+  changed = []
+
+  def one(match):
+    name = match.group(2)
+    if name not in TABLES:
+      raise ValueError(f"{where}: '<!-- table: {name} -->' names no table; choose one of "
+                       f"{sorted(TABLES)}")
+    body = TABLES[name]() + "\n"
+    if body != match.group(3):
+      changed.append(name)
+    return match.group(1) + body + match.group(4)
+
+  return BLOCK.sub(one, text), changed
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check", action="store_true",
+                      help="write nothing; exit 1 if a block differs from its JSON")
+  args = parser.parse_args(argv)
+  stale = []
+  for name in FILES:
+    path = ROOT / name
+    text, changed = render(path.read_text(), name)
+    stale += [f"{name}: {table}" for table in changed]
+    if changed and not args.check:
+      path.write_text(text)
+  if args.check and stale:
+    print("rendered tables differ from their JSON (run python experiments/render.py): "
+          + "; ".join(stale), file=sys.stderr)
+    return 1
+  print("\n".join(stale) if stale else "every table matches its JSON")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

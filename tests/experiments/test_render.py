@@ -1,0 +1,48 @@
+"""The tables shared by the README, the docs and the report are their JSONs, rendered."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import render  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def test_every_rendered_table_matches_its_json(capsys):
+  assert render.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_every_table_is_rendered_somewhere():
+  used = {name for path in render.FILES
+          for _, name, _, _ in render.BLOCK.findall((ROOT / path).read_text())}
+  assert used == set(render.TABLES)
+
+
+def test_a_number_edited_by_hand_is_found_and_rendered_back():
+  text = (ROOT / "README.md").read_text()
+  block = render.BLOCK.search(text)
+  rendered = render.TABLES[block.group(2)]()
+  cell = rendered.split("\n")[2].split(" | ")[2]   # first row, first method's cell
+  edited = text.replace(cell, "9.99x", 1)
+  assert edited != text
+  again, changed = render.render(edited, "README.md")
+  assert changed == [block.group(2)]
+  assert again == text
+
+
+def test_the_cluster_cells_come_from_the_summary_of_the_run():
+  main, _ = render.cluster_runs("vgg16", "100mbit")
+  speedup = next(row["speedup"] for row in main["summary"] if row["method"] == "dlgs")
+  row = next(line for line in render.speedups().split("\n")
+             if line.startswith("| VGG16 | 100 Mbit/s"))
+  assert f"{speedup:.2f}x" == row.split(" | ")[2].strip("*")
+
+
+def test_a_block_naming_no_table_is_refused_in_one_line():
+  with pytest.raises(ValueError, match=r"'<!-- table: nope -->' names no table; choose one of"):
+    render.render("<!-- table: nope -->\n| x |\n<!-- end table -->\n", "page.md")
