@@ -150,7 +150,34 @@ def cluster_report() -> str:
   return "\n".join(lines)
 
 
+def update_kernels() -> str:
+  """Kernels a compiled update launches / its conditionals, over dense's, and compile seconds."""
+  run = _load(RESULTS / "update_programs" / "cpu.json")
+  columns = [("topk", "Top-k"), ("lags", "LAGS"),
+             ("dlgs paper, one group", "paper's rule, one group"),
+             ("dlgs default, one group", "default, one group"),
+             ("dlgs paper, buckets", "paper's, buckets"),
+             ("dlgs default, buckets", "default, buckets")]
+  lines = ["| model (dense) | " + " | ".join(name for _, name in columns) + " |",
+           "|---" * (1 + len(columns)) + "|"]
+  for model in dict.fromkeys(row["model"] for row in run["rows"]):
+    rows = {row["method"]: row for row in run["rows"] if row["model"] == model}
+    dense = rows["dense"]["kernels"]
+    name = MODELS[model].split(" (")[0]  # leaf shapes only: no image size
+    cells = [f"{name} ({dense} / {rows['dense']['conditionals']})"]
+    for method, _ in columns:
+      row = rows[method]
+      over = row["kernels"] - dense
+      text = f"{row['kernels']} / {row['conditionals']} ({over:+d})"
+      if method.startswith("dlgs") and over <= 40:
+        text = f"**{text}**"
+      cells.append(f"{text}, {row['compile_s']} s")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "update-kernels": update_kernels,
     "cluster-speedups": speedups,
     "cluster-speedups-commands": lambda: speedups(commands=True),
     "cluster-report": cluster_report,
