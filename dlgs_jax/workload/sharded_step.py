@@ -1,8 +1,8 @@
 """One data-parallel training step for any model: `data_parallel`.
 
 From a loss function, an optax chain holding a dlgs_jax transform and a mesh,
-`data_parallel` builds ``init`` and ``step``, run as ``jax.jit(jax.shard_map(...))``
-with shard_map's replication checks on:
+`data_parallel` builds a frozen `DataParallel` whose ``init`` and ``step`` run as
+``jax.jit(jax.shard_map(...))`` with shard_map's replication checks on:
 
 * each worker takes the gradient of its own slice of the batch at parameters
   cast to varying (``lax.pcast``), so JAX adds no all-reduce of its own and the
@@ -17,17 +17,15 @@ with shard_map's replication checks on:
   communicates once.
 
 It serves plain pytrees, Flax Linen (``batch_stats``) and Flax NNX
-(``nnx.split`` into parameters and the rest, ``nnx.merge`` inside the loss): see
-``examples/``.
+(``nnx.split`` into the `wrt` variables and the rest, ``nnx.merge`` inside the
+loss; `user_loss`): see ``examples/``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import inspect
 import numbers
-import warnings
-from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -39,30 +37,132 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax.compress import collectives, common, exchange
 from dlgs_jax.compress.state import comm_stats_by_path
-from dlgs_jax.workload import parallel
+from dlgs_jax.workload import parallel, user_loss
+from dlgs_jax.workload.user_loss import ModuleState
 
 
 class StepState(NamedTuple):
   """Everything a data-parallel step carries (placed by ``DataParallel.init``)."""
   params: Any       # replicated parameter tree
-  model_state: Any  # replicated mutable model state ({} without one)
+  model_state: Any  # replicated mutable model state: {} without one, a `ModuleState` for NNX
   opt_state: Any    # the optimizer state: this library's states per worker, the rest replicated
   step: jax.Array   # int32[], replicated: steps taken
 
 
-class DataParallel(NamedTuple):
-  """What `data_parallel` returns."""
-  init: Callable     # init(params, model_state=None) -> StepState on the mesh
-  step: Callable     # step(state, batch) -> (state, metrics); `state` is donated
-  axis_name: Any     # the data axis or axes the step runs over
-  batch_sharding: Any  # NamedSharding for a batch leaf (leading axis split over workers)
-  # compile(state, batch): compiles `step` for these inputs without running it
-  # (nothing is exchanged), so processes can compile when they choose.
-  compile: Callable
-  # On CPU `step` waits for every this many steps' results (None: never): see CPU_SYNC_EVERY.
-  sync_every: Optional[int] = None
-  # module(state): the trained nnx.Module, where `init` was given one.
-  module: Optional[Callable] = None
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataParallel:
+  """A data-parallel training step over a mesh: what `data_parallel` builds.
+
+  Every field is declared and none is rebound: the loss and the optimizer stay
+  as given, the NNX graph travels in the state `init` returns (`ModuleState`),
+  and the compiled programs and the steps dispatched are visible attributes.
+  Call ``init``, then ``step`` (see `data_parallel`).
+  """
+  loss_fn: Callable                # the loss as given (see `data_parallel`)
+  tx: optax.GradientTransformation
+  mesh: Mesh
+  axis_name: Any                   # the data axis or axes the step runs over
+  model_state: bool                # whether the loss takes and returns model state
+  has_aux: bool                    # whether the loss returns metrics too
+  seed: Optional[int]              # the loss gets a per-step, per-worker key from it
+  micro_batches: int               # slices of a worker's batch, one communication
+  simulate_workers: Optional[int]  # workers vmapped on one device; None: one per device
+  wrt: Any                         # NNX filter of what the gradient and `tx` see
+  workers: int                     # workers the step runs
+  sync_every: Optional[int]        # CPU meshes: wait for every this many steps (CPU_SYNC_EVERY)
+  # The jitted step for each structure of the state (and NNX graph): jit's cache.
+  programs: dict = dataclasses.field(default_factory=dict, repr=False)
+  # Steps dispatched so far: the CPU sync counts them.
+  dispatched: list = dataclasses.field(default_factory=lambda: [0], repr=False)
+
+  @property
+  def batch_sharding(self) -> jax.sharding.NamedSharding:
+    """Where a batch leaf goes: its leading axis split over the workers."""
+    return jax.sharding.NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+
+  def init(self, params, model_state=None) -> StepState:
+    """The `StepState` at step 0 on the mesh, from parameters or an ``nnx.Module``.
+
+    Args:
+      params: a parameter tree, or an ``nnx.Module`` (split into its `wrt`
+        variables and the rest, which the state carries with the graph).
+      model_state: the initial mutable model state (with ``model_state=True``).
+    """
+    user_loss.check_not_module(params)
+    if user_loss.is_nnx_module(params):
+      if self.model_state or model_state is not None:
+        raise ValueError(
+            "data_parallel: with an nnx.Module, leave model_state=False and pass no state to "
+            "init: its non-parameter state is split off and carried for you")
+      graph, params, rest = user_loss.split_module(params, self.wrt)
+      model_state = ModuleState(rest, graph)
+    return initial_state(self.tx, params, model_state, self.mesh, self.workers)
+
+  def step(self, state: StepState, batch):
+    """One step: ``(new state, metrics)``; `state` is donated."""
+    new_state, metrics = self._program(state)(state, batch)
+    self.dispatched[0] += 1
+    if self.sync_every and self.dispatched[0] % self.sync_every == 0:
+      jax.block_until_ready(metrics)
+    return new_state, metrics
+
+  def compile(self, state: StepState, batch) -> None:
+    """Compiles `step` for these inputs without running it (nothing is exchanged)."""
+    # jit keeps what it compiled ahead of time: the step then runs it.
+    self._program(state).lower(state, batch).compile()
+
+  def module(self, state: StepState):
+    """The trained ``nnx.Module`` of a state that `init` made from one."""
+    if not isinstance(state.model_state, ModuleState):
+      raise ValueError("module(state) needs a state that init made from an nnx.Module; this "
+                       "one was made from a parameter tree")
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    params, rest = parallel.fetch((state.params, state.model_state.rest))
+    return nnx.merge(state.model_state.graph, params, rest)
+
+  def _loss(self, model_state) -> user_loss.Loss:
+    if isinstance(model_state, ModuleState):
+      nnx_loss = user_loss.nnx_loss(self.loss_fn, self.has_aux, self.seed, self.wrt)
+      return user_loss.Loss(nnx_loss, True, self.has_aux, self.seed)
+    return user_loss.Loss(self.loss_fn, self.model_state, self.has_aux, self.seed)
+
+  def _local_step(self, state: StepState, batch):
+    axis_name = self.axis_name
+    key = None
+    if self.seed is not None:
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), state.step),
+                               lax.axis_index(axis_name))
+    # Under vmap the gradient of unmapped parameters is already each worker's own.
+    varying = (state.params if self.simulate_workers else
+               lax.pcast(state.params, common.axes_of(axis_name), to="varying"))
+    grads, value, new_model_state, aux = _accumulate(
+        self._loss(state.model_state), varying, state.model_state, batch, key,
+        self.micro_batches, axis_name)
+    updates, opt_state = self.tx.update(grads, parallel.squeeze_state(state.opt_state),
+                                        state.params)
+    _check_replicated(updates, opt_state, axis_name)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": value, **aux, **_comm_metrics(opt_state)}
+    new_model_state, metrics = _average(new_model_state, metrics, axis_name)
+    new_state = StepState(params, new_model_state, parallel.unsqueeze_state(opt_state),
+                          state.step + 1)
+    return new_state, metrics
+
+  def _program(self, state: StepState) -> Callable:
+    """The jitted step for `state`'s structure (compiled on its first call)."""
+    specs = StepState(PartitionSpec(), PartitionSpec(),
+                      parallel.state_specs(state.opt_state, self.axis_name), PartitionSpec())
+    key = (jax.tree_util.tree_structure(specs),
+           jax.tree_util.tree_structure(state.model_state))
+    if key not in self.programs:
+      mapped = (_vmapped(self._local_step, specs, self.workers, self.axis_name)
+                if self.simulate_workers else
+                jax.shard_map(self._local_step, mesh=self.mesh,
+                              in_specs=(specs, PartitionSpec(self.axis_name)),
+                              out_specs=(specs, PartitionSpec())))
+      self.programs[key] = jax.jit(_batch_checked(mapped, self.workers), donate_argnums=0)
+    return self.programs[key]
 
 
 # XLA:CPU's in-process collectives abort the whole process when a participant
@@ -84,12 +184,13 @@ def data_parallel(
     seed: Optional[int] = None,
     micro_batches: int = 1,
     simulate_workers: Optional[int] = None,
+    wrt: Any = None,
 ) -> DataParallel:
   """Builds a data-parallel training step with gradient communication by `tx`.
 
   With Flax NNX, give ``init`` the module itself and write the loss on it,
   ``loss_fn(model, batch) -> loss``: the step splits the module into its
-  ``nnx.Param`` leaves (what the gradient and `tx` see) and the rest (BatchNorm
+  `wrt` variables (``nnx.Param`` by default: what the gradient and `tx` see) and the rest (BatchNorm
   statistics, averaged over the workers after each step), rebuilds it inside
   the loss, and ``module(state)`` gives back the trained module. An
   ``nnx.Optimizer`` owns its update, so it has no place here: put its optax
@@ -127,6 +228,9 @@ def data_parallel(
       Per-worker states and batches keep their leading axis of P rows, so a
       checkpoint moves between simulated and real workers. None: one worker
       per device.
+    wrt: with an ``nnx.Module``, the NNX filter of the variables the gradient
+      and `tx` see, as ``nnx.Optimizer``'s (default ``nnx.Param``); the rest
+      is model state, averaged over the workers after each step.
 
   Returns:
     A `DataParallel`. ``step(state, batch)``: `batch` is any pytree of arrays
@@ -147,81 +251,28 @@ def data_parallel(
   if not set(common.axes_of(axis_name)) <= set(mesh.axis_names):
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
   workers = _check_simulated(simulate_workers, mesh, axis_name)
-  # Simulated workers exchange inside one program on one device: no collective to drift.
-  sync_every = (CPU_SYNC_EVERY if mesh.devices.flat[0].platform == "cpu"
-                and simulate_workers is None else None)
   if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
     raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
   if not callable(loss_fn):
     raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
-  loss = _Loss(loss_fn, model_state, has_aux, seed)
-  nnx_graph = []  # the module's graph, once `init` is given an nnx.Module
+  user_loss.Loss(loss_fn, model_state, has_aux, seed)  # its signature and seed, checked now
+  # Simulated workers exchange inside one program on one device: no collective to drift.
+  sync_every = (CPU_SYNC_EVERY if mesh.devices.flat[0].platform == "cpu"
+                and simulate_workers is None else None)
+  return DataParallel(loss_fn=loss_fn, tx=tx, mesh=mesh, axis_name=axis_name,
+                      model_state=model_state, has_aux=has_aux, seed=seed,
+                      micro_batches=micro_batches, simulate_workers=simulate_workers,
+                      wrt=_param_filter() if wrt is None else wrt, workers=workers,
+                      sync_every=sync_every)
 
-  def init(params, state=None) -> StepState:
-    nonlocal loss
-    _check_not_module(params)
-    if _is_nnx_module(params):
-      graph, params, state = _split_module(params, model_state or state is not None)
-      nnx_graph[:] = [graph]
-      loss = _Loss(_nnx_loss(loss_fn, graph, has_aux, seed), True, has_aux, seed)
-    return initial_state(tx, params, state, mesh, workers)
 
-  def module(state: StepState):
-    if not nnx_graph:
-      raise ValueError("module(state) needs a state that init made from an nnx.Module; this "
-                       "one was made from a parameter tree")
+def _param_filter():
+  """``nnx.Param``, where flax is installed (the filter matters only for NNX modules)."""
+  try:
     from flax import nnx  # pylint: disable=g-import-not-at-top
-
-    return nnx.merge(nnx_graph[0], *parallel.fetch((state.params, state.model_state)))
-
-  def local_step(state: StepState, batch):
-    key = None
-    if seed is not None:
-      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state.step),
-                               lax.axis_index(axis_name))
-    # Under vmap the gradient of unmapped parameters is already each worker's own.
-    varying = (state.params if simulate_workers else
-               lax.pcast(state.params, common.axes_of(axis_name), to="varying"))
-    grads, value, new_model_state, aux = _accumulate(loss, varying, state.model_state, batch,
-                                                     key, micro_batches, axis_name)
-    updates, opt_state = tx.update(grads, parallel.squeeze_state(state.opt_state), state.params)
-    _check_replicated(updates, opt_state, axis_name)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": value, **aux, **_comm_metrics(opt_state)}
-    new_model_state, metrics = _average(new_model_state, metrics, axis_name)
-    new_state = StepState(params, new_model_state, parallel.unsqueeze_state(opt_state),
-                          state.step + 1)
-    return new_state, metrics
-
-  jitted = {}
-
-  def program(state: StepState):
-    specs = StepState(PartitionSpec(), PartitionSpec(),
-                      parallel.state_specs(state.opt_state, axis_name), PartitionSpec())
-    key = jax.tree_util.tree_structure(specs)
-    if key not in jitted:
-      mapped = (_vmapped(local_step, specs, workers, axis_name) if simulate_workers else
-                jax.shard_map(local_step, mesh=mesh, in_specs=(specs, PartitionSpec(axis_name)),
-                              out_specs=(specs, PartitionSpec())))
-      jitted[key] = jax.jit(_batch_checked(mapped, workers), donate_argnums=0)
-    return jitted[key]
-
-  dispatched = [0]
-
-  def step(state: StepState, batch):
-    new_state, metrics = program(state)(state, batch)
-    dispatched[0] += 1
-    if sync_every and dispatched[0] % sync_every == 0:
-      jax.block_until_ready(metrics)
-    return new_state, metrics
-
-  def compile_step(state: StepState, batch) -> None:
-    # jit keeps what it compiled ahead of time: the step then runs it.
-    program(state).lower(state, batch).compile()
-
-  return DataParallel(init, step, axis_name,
-                      jax.sharding.NamedSharding(mesh, PartitionSpec(axis_name)), compile_step,
-                      sync_every, module)
+  except ImportError:
+    return None
+  return nnx.Param
 
 
 def _check_simulated(simulate_workers, mesh: Mesh, axis_name) -> int:
@@ -276,97 +327,6 @@ def _vmapped(local_step: Callable, specs: StepState, workers: int, axis_name) ->
   return mapped
 
 
-def _is_nnx_module(x) -> bool:
-  try:
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return False
-  return isinstance(x, nnx.Module)
-
-
-def _split_module(model, stateful: bool):
-  """(graph, parameters, the rest) of an nnx.Module, refusing what the step cannot train."""
-  if stateful:
-    raise ValueError(
-        "data_parallel: with an nnx.Module, leave model_state=False and pass no state to "
-        "init: its non-parameter state is split off and carried for you")
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  _warn_if_eval_mode(model)
-  graph, params, rest = nnx.split(model, nnx.Param, ...)
-  _check_no_rng_streams(rest)
-  return graph, params, rest
-
-
-def _check_not_module(params) -> None:
-  """Refuses a model class, or a Linen module, where `init` takes a module or parameters."""
-  if isinstance(params, type):
-    raise ValueError(
-        f"init got the class {params.__name__}, not a model: give it an instance (an "
-        f"nnx.Module such as {params.__name__}(nnx.Rngs(0))) or a parameter tree")
-  try:
-    from flax import linen  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return
-  if isinstance(params, linen.Module):
-    raise ValueError(
-        f"init got the Linen module {type(params).__name__}, not its parameters: give it "
-        f"variables['params'] from variables = module.init(key, x), with a loss that "
-        f"applies them (module.apply({{'params': params}}, x))")
-
-
-def _check_no_rng_streams(rest) -> None:
-  """Refuses a module holding PRNG streams (``nnx.Dropout(rate, rngs=rngs)``).
-
-  A stream's key would be the same on every worker and could not be averaged
-  with the rest of the model state; the step's own key differs per step and worker.
-  """
-  path = _first_prng_key(rest)
-  if path is not None:
-    raise ValueError(
-        f"the module holds a PRNG stream at {path} (an nnx.Rngs given to a layer, e.g. "
-        f"nnx.Dropout(rate, rngs=rngs)): build the layer without rngs, give data_parallel "
-        f"seed=0, and let the loss take the per-step, per-worker key: "
-        f"loss_fn(model, batch, key) calling model(x, rngs=nnx.Rngs(dropout=key))")
-
-
-def _first_prng_key(tree):
-  """The path of `tree`'s first PRNG-key leaf (which no mean over workers can take), or None."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
-      return jax.tree_util.keystr(path)
-  return None
-
-
-def _warn_if_eval_mode(model) -> None:
-  """Warns when `model` is in eval mode: the step would train it in that mode."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  frozen = [f"{'/'.join(map(str, path)) or type(module).__name__} ({type(module).__name__})"
-            for path, module in nnx.iter_modules(model)
-            if getattr(module, "deterministic", None) is True
-            or getattr(module, "use_running_average", None) is True]
-  if frozen:
-    warnings.warn(
-        f"data_parallel.init: the module is in eval mode ({', '.join(frozen[:3])}"
-        f"{' ...' if len(frozen) > 3 else ''} deterministic or using running averages), and "
-        f"the step trains it in the mode it has now: call model.train() before "
-        f"dp.init(model), and model.eval() on dp.module(state) to evaluate", stacklevel=4)
-
-
-def _nnx_loss(loss_fn: Callable, graph, has_aux: bool, seed) -> Callable:
-  """``loss_fn(model, batch[, key])`` as a loss of (params, rest, batch[, key]) returning the rest."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  def loss(params, rest, batch, *key):
-    model = nnx.merge(graph, params, rest, copy=True)  # fresh variables for this trace
-    value, aux = _loss_and_aux(loss_fn(model, batch, *key), has_aux, loss_fn)
-    new_rest = nnx.split(model, nnx.Param, ...)[2]
-    return (value, (new_rest, aux)) if has_aux else (value, new_rest)
-
-  return loss if seed is not None else (lambda params, rest, batch: loss(params, rest, batch))
-
-
 def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh,
                   workers: Optional[int] = None) -> StepState:
   """The `StepState` at step 0 on `mesh`: `tx`'s state placed per worker where it is one.
@@ -391,67 +351,6 @@ def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: M
                    parallel.replicate({} if model_state is None else model_state, mesh),
                    parallel.place_state(tx.init(params), mesh, workers),
                    parallel.replicate(np.zeros((), np.int32), mesh))
-
-
-class _Loss:
-  """The user's loss behind one calling convention: ``(loss, model_state, aux)``."""
-
-  def __init__(self, fn, with_state: bool, has_aux: bool, seed):
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-      raise ValueError(f"seed must be an integer or None, got {seed!r}")
-    self.fn, self.with_state, self.has_aux, self.seed = fn, with_state, has_aux, seed
-    try:
-      wanted = 2 + with_state + (seed is not None)
-      inspect.signature(fn).bind(*range(wanted))
-    except TypeError:
-      raise ValueError(
-          f"loss_fn {getattr(fn, '__name__', fn)!r} must take (params"
-          f"{', model_state' if with_state else ''}, batch{', key' if seed is not None else ''})"
-          f" for model_state={with_state}, seed={seed!r}") from None
-    except ValueError:  # builtins without a signature: called as they are
-      pass
-
-  def __call__(self, params, model_state, batch, key):
-    args = (params, model_state, batch) if self.with_state else (params, batch)
-    try:
-      out = self.fn(*args, key) if self.seed is not None else self.fn(*args)
-    except Exception as e:  # pylint: disable=broad-except
-      if type(e).__name__ != "TraceContextError":
-        raise
-      raise ValueError(
-          "the loss changes an NNX object created outside the step (typically an nnx.Rngs "
-          "it closes over, for dropout): give data_parallel seed=0 and let the loss take "
-          "the per-step, per-worker key, loss_fn(model, batch, key), calling "
-          "model(x, rngs=nnx.Rngs(dropout=key))") from None
-    value, rest = _loss_and_aux(out, self.with_state or self.has_aux, self.fn,
-                                "new_model_state" if self.with_state else "metrics",
-                                "model_state=True" if self.with_state else "has_aux=True")
-    if self.with_state:
-      new_state, aux = rest if self.has_aux else (rest, {})
-    else:
-      new_state, aux = model_state, (rest if self.has_aux else {})
-    return value, (new_state, _scalar_metrics(aux))
-
-
-def _scalar_metrics(aux) -> dict:
-  """The loss's metrics as a dict, refusing anything but named scalars (averaged over workers).
-
-  Raises:
-    ValueError: for metrics that are not a dict, or a metric that is not a scalar.
-  """
-  if not isinstance(aux, Mapping):
-    got = (f"an array of shape {tuple(jnp.shape(aux))}" if hasattr(aux, "shape")
-           else f"a {type(aux).__name__}")
-    raise ValueError(f"with has_aux=True the loss returns (loss, metrics), metrics a dict of "
-                     f"scalars, got {got}: return e.g. (loss, {{'accuracy': accuracy}})")
-  for name, value in aux.items():
-    if jnp.ndim(value) != 0:
-      raise ValueError(
-          f"the metric {name!r} has shape {tuple(jnp.shape(value))}, but metrics are scalars "
-          f"averaged over the workers: reduce it in the loss (e.g. accuracy as "
-          f"jnp.mean(logits.argmax(-1) == labels)); per-example outputs such as logits for "
-          f"nnx.metrics belong in an evaluation pass on dp.module(state)")
-  return dict(aux)
 
 
 def _check_replicated(updates, opt_state, axis_name) -> None:
@@ -486,31 +385,8 @@ def _check_replicated(updates, opt_state, axis_name) -> None:
           f"optax.adamw(1e-3))")
 
 
-def _loss_and_aux(out, paired: bool, fn, second: str = "metrics", why: str = "has_aux=True"
-                  ) -> tuple:
-  """``(loss, second)`` of what a loss returned (``(out, None)`` unless `paired`).
-
-  Raises:
-    ValueError: in one line, for a pair where none was asked for or the
-      reverse, or a loss that is not a scalar.
-  """
-  name = getattr(fn, "__name__", "loss_fn")
-  if paired and not (isinstance(out, (tuple, list)) and len(out) == 2):
-    got = (f"a tuple of {len(out)}" if isinstance(out, (tuple, list)) else
-           f"one {jnp.result_type(out)}{list(jnp.shape(out))} value" if hasattr(out, "shape")
-           else f"a {type(out).__name__}")
-    raise ValueError(f"{name} must return (loss, {second}) with {why}, got {got}")
-  if not paired and isinstance(out, (tuple, list)):
-    raise ValueError(f"{name} returned a tuple of {len(out)}: return the scalar loss, or give "
-                     f"data_parallel has_aux=True for (loss, metrics)")
-  value, rest = out if paired else (out, None)
-  if jnp.ndim(value) != 0:
-    raise ValueError(f"{name} must return a scalar loss, got shape {tuple(jnp.shape(value))}: "
-                     f"take its mean over the worker's batch")
-  return value, rest
-
-
-def _accumulate(loss: _Loss, params, model_state, batch, key, micro_batches: int, axis_name):
+def _accumulate(loss: user_loss.Loss, params, model_state, batch, key, micro_batches: int,
+                axis_name):
   """(summed-mean gradients, mean loss, model state after the last slice, mean aux)."""
   grad_fn = jax.value_and_grad(loss, has_aux=True)
   if micro_batches == 1:
@@ -576,7 +452,7 @@ def _comm_metrics(opt_state) -> dict:
 def _average(model_state, metrics: dict, axis_name):
   """Model state and metrics as every worker's mean (one all-reduce), typed replicated."""
   leaves, treedef = jax.tree_util.tree_flatten(model_state)
-  path = _first_prng_key(model_state)
+  path = user_loss.first_prng_key(model_state)
   if path is not None:
     raise ValueError(f"the model state holds a PRNG key at {path}: keys cannot be "
                      f"averaged over workers; keep them out of the model state (give "

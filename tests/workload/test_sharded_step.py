@@ -1,5 +1,6 @@
 """The data-parallel step: shard_map's checks on, per-worker gradients, Linen, NNX and pytrees."""
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -482,6 +483,64 @@ def test_nnx_quickstart_trains_the_module_and_gives_it_back():
   assert np.abs(np.asarray(trained.norm.mean[...])).max() > 0
   trained.eval()
   assert trained(X[:2]).shape == (2, 3)
+
+
+class _Wide(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(5, 16, rngs=rngs)
+    self.out = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+def _nnx_squared_error(model, batch):
+  return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+
+def test_the_step_object_declares_its_fields_and_nothing_is_rebound():
+  dp = dlgs_jax.data_parallel(_nnx_squared_error, optax.chain(
+      dlgs_jax.dense(axis_name="data"), optax.sgd(0.1)), dlgs_jax.data_mesh(W))
+  fields = {f.name for f in dataclasses.fields(dp)}
+  assert {"loss_fn", "tx", "mesh", "axis_name", "wrt", "programs", "dispatched"} <= fields
+  assert dp.wrt is nnx.Param and dp.loss_fn is _nnx_squared_error
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    dp.loss_fn = squared_error
+  batch = jax.device_put((X, Y), dp.batch_sharding)
+  state_a = dp.init(_MLP(nnx.Rngs(0)))
+  # A second init, of another module, leaves what stepping the first state computes alone:
+  # each state carries its own graph.
+  state_b = dp.init(_Wide(nnx.Rngs(1)))
+  assert dp.loss_fn is _nnx_squared_error
+  fresh = dlgs_jax.data_parallel(_nnx_squared_error, dp.tx, dp.mesh)
+  state_a, metrics_a = dp.step(state_a, batch)
+  expected, metrics_fresh = fresh.step(fresh.init(_MLP(nnx.Rngs(0))), batch)
+  np.testing.assert_array_equal(np.asarray(metrics_a["loss"]), np.asarray(metrics_fresh["loss"]))
+  for got, want in zip(jax.tree_util.tree_leaves(dlgs_jax.fetch(state_a.params)),
+                       jax.tree_util.tree_leaves(dlgs_jax.fetch(expected.params))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  state_b, _ = dp.step(state_b, batch)
+  assert isinstance(dp.module(state_a), _MLP) and isinstance(dp.module(state_b), _Wide)
+  # The jit cache and the steps dispatched are there to read: a program per module.
+  assert len(dp.programs) == 2 and dp.dispatched == [2]
+
+
+def test_wrt_chooses_what_the_gradient_and_the_optimizer_see():
+  only_out = nnx.All(nnx.Param, nnx.PathContains("out"))
+  dp = dlgs_jax.data_parallel(_nnx_squared_error, optax.chain(
+      dlgs_jax.dlgs(0.5, axis_name="data"), optax.sgd(0.1)), dlgs_jax.data_mesh(W),
+      wrt=only_out)
+  model = _Wide(nnx.Rngs(0))
+  state = dp.init(model)
+  assert set(dlgs_jax.fetch(state.params)) == {"out"}
+  batch = jax.device_put((X, Y), dp.batch_sharding)
+  for _ in range(3):
+    state, _ = dp.step(state, batch)
+  trained = dp.module(state)
+  # The hidden layer rode along as model state, untouched; the head moved.
+  np.testing.assert_array_equal(np.asarray(trained.hidden.kernel[...]),
+                                np.asarray(model.hidden.kernel[...]))
+  assert not np.allclose(np.asarray(trained.out.kernel[...]), np.asarray(model.out.kernel[...]))
 
 
 def test_nnx_mistakes_are_named_with_the_fix():
