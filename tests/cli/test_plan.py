@@ -16,7 +16,9 @@ from dlgs_jax.cli import plan
     (["--reuse-every", "-3"], "--reuse-every -3 is invalid"),
     (["--workers", "0"], "--workers 0 is invalid"),
     (["--refresh-below", "often"], "--refresh-below 'often' is invalid"),
-    (["--method", "sgd"], "unknown --method 'sgd'"),
+    (["--method", "sgd"], "--method 'sgd' is invalid: choose one of"),
+    (["--planner", "best"], "--planner 'best' is invalid: choose one of"),
+    (["--in-step-rounds", "-1"], "--in-step-rounds -1 is invalid: must be >= 0"),
     (["--profile", "/nonexistent.json"], "--profile '/nonexistent.json' is invalid: no such file"),
     (["--node-size", "0"], "--node-size 0 is invalid: must be >= 1"),
     (["--node-size", "4"], "--node-size 4 is invalid: needs --bandwidth, the link between nodes"),
@@ -42,3 +44,17 @@ def test_a_file_that_is_not_a_profile_is_one_line(tmp_path, content):
   text = str(stop.value.code)
   assert text.startswith(f"--profile {str(path)!r} is not a profile") and "\n" not in text
   json.dumps(text)
+
+
+def test_the_flags_become_one_checked_config(tmp_path):
+  from dlgs_jax.compress.methods import ConfigError
+  from dlgs_jax.training.plan_job import PlanConfig
+
+  config = plan.config_from_args(plan.parse_args(
+      ["--model", "vgg16", "--refresh-below", "none", "--bandwidth", "1gbit", "--workers", "16",
+       "--out-dir", str(tmp_path)]))
+  assert config == PlanConfig(model="vgg16", refresh_below=None, bandwidth="1gbit", workers=16,
+                              out_dir=str(tmp_path))
+  # The config checks itself, with the factories' own rules, without a command line.
+  with pytest.raises(ConfigError, match=r"density 1.5 is invalid: must be in \(0, 1\]"):
+    PlanConfig(model="vgg16", density=1.5).validate()

@@ -657,7 +657,7 @@ def test_plan_cli_measures_plans_and_models_the_network(tmp_path):
   bad = run_cli("--model", "smallcnn", "--refresh-below", "often", "--out-dir", str(tmp_path))
   assert bad.returncode != 0 and "--refresh-below 'often' is invalid" in bad.stderr
   negative = run_cli("--model", "smallcnn", "--in-step-rounds", "-1", "--out-dir", str(tmp_path))
-  assert negative.returncode != 0 and "got -1" in negative.stderr
+  assert negative.returncode != 0 and "--in-step-rounds -1 is invalid" in negative.stderr
 
 
 @pytest.mark.slow
