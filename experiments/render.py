@@ -176,7 +176,27 @@ def update_kernels() -> str:
   return "\n".join(lines)
 
 
+def demo_presets() -> str:
+  """The demo's preset and its variants: accuracy, the gap to dense of as many epochs, bytes."""
+  runs = _load(RESULTS / "demo_presets" / "runs.json")["runs"]
+  epochs = lambda run: int((re.findall(r"--epochs (\d+)", run["flags"]) or ["10"])[0])  # noqa: E731
+  dense = {epochs(run): run for run in runs if "--method dense" in run["flags"]}
+  lines = ["| run | final test accuracy | − dense, as many epochs (points) | bytes / dense's |",
+           "|---|---|---|---|"]
+  for run in runs:
+    reference = dense.get(epochs(run))
+    if reference is None or reference is run:
+      gap, ratio = "", "1" if reference is run else ""
+    else:
+      gap = f"{100 * (run['final_test_accuracy'] - reference['final_test_accuracy']):+.1f}"
+      ratio = f"1/{reference['bytes_sent_per_step'] / run['bytes_sent_per_step']:.1f}"
+    lines.append(f"| `{run['command']}` | {100 * run['final_test_accuracy']:.1f}% | {gap} "
+                 f"| {ratio} |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "demo-presets": demo_presets,
     "update-kernels": update_kernels,
     "cluster-speedups": speedups,
     "cluster-speedups-commands": lambda: speedups(commands=True),
