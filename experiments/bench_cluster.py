@@ -133,14 +133,14 @@ def main(argv=None) -> int:
   if args.quick:
     args.models, args.methods, args.steps, args.warmup = "resnet20", "dense,topk,dlgs", 8, 2
   from dlgs_jax.cluster import netns
+  from dlgs_jax.cluster import jobs
   from dlgs_jax.planning import planner
   from dlgs_jax import profiling
   from dlgs_jax.workload.models import leaf_shapes
   from dlgs_jax.planning.timeline import Profile, simulate
 
-  netns.exit_if_unavailable()
-  out = Path(args.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
+  job = jobs.start("bench_cluster.py", args.out_dir, argv=argv)
+  out, started, command = job.out, job.started, job.command
   models = args.models.split(",")
   methods = args.methods.split(",")
   densities = [float(d) for d in args.densities.split(",")]
@@ -148,9 +148,6 @@ def main(argv=None) -> int:
       ["--image-size", str(args.image_size)] if args.image_size else [])
   runs = set(configurations(methods, densities))
   results = []
-  started = time.time()
-  command = "python experiments/bench_cluster.py " + " ".join(sys.argv[1:] if argv is None
-                                                              else argv)
   for model in models:
     with netns.EmulatedCluster(args.workers, args.bandwidth) as c:
       from dlgs_jax.cluster import launch
@@ -297,6 +294,7 @@ def plot(model, results, path, meta):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from dlgs_jax.profiling import figures
 
   fig, ax = plt.subplots(figsize=(1.2 * len(results) + 2, 4))
   names = [r["method"] if density_free(r["method"]) else f"{r['method']}\n{r['density']:g}"
@@ -313,13 +311,9 @@ def plot(model, results, path, meta):
               linewidth=1.5, label="predicted" if i == 0 else None)
   ax.set_ylabel("ms per iteration")
   shape = "x".join(str(n) for n in results[0]["image_shape"][:2])
-  ax.set_title(f"{model} ({shape}): P={meta['workers']} at {meta['bandwidth']}, batch "
-               f"{results[0]['batch_size']} per worker (measured; black: timeline model)",
-               fontsize=9)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.finish(fig, ax, path, f"{model} ({shape}): P={meta['workers']} at "
+                 f"{meta['bandwidth']}, batch {results[0]['batch_size']} per worker "
+                 f"(measured; black: timeline model)")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,7 @@ def plot(order, sizes, share, args, path):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from dlgs_jax.profiling import figures
 
   fig, ax = plt.subplots(figsize=(12, 4))
   ax.bar(range(len(order)), [share[p] for p in order], color="tab:blue",
@@ -157,12 +158,8 @@ def plot(order, sizes, share, args, path):
   ax.set_xticks(range(len(order)))
   ax.set_xticklabels([f"{p} ({sizes[p]})" for p in order], rotation=90, fontsize=6)
   ax.set_ylabel("fraction sent")
-  ax.set_title(f"{args.model}, density {args.density:g}, one worker, {args.steps} steps "
-               f"(leaves in backward order: the head first)", fontsize=9)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.finish(fig, ax, path, f"{args.model}, density {args.density:g}, one worker, "
+                 f"{args.steps} steps (leaves in backward order: the head first)", legend_size=8)
 
 
 if __name__ == "__main__":

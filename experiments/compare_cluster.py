@@ -196,6 +196,7 @@ def plot(payload, path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from dlgs_jax.profiling import figures
 
   fig, ax = plt.subplots(figsize=(7, 3.8))
   for name, m in payload["methods"].items():
@@ -203,19 +204,16 @@ def plot(payload, path) -> None:
     ax.plot(rounds, np.asarray(m["round_medians"]) * 1e3, marker="o", label=name)
   ax.set_xlabel("round (every method timed in each, order rotated)")
   ax.set_ylabel("median step ms in the round")
-  ax.set_title(f"{payload['model']}, density {payload['density']:g}: P={payload['workers']} at "
-               f"{payload.get('bandwidth', '?')}, {payload['steps']} steps per method per round",
-               fontsize=9)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.finish(fig, ax, path, f"{payload['model']}, density {payload['density']:g}: "
+                 f"P={payload['workers']} at {payload.get('bandwidth', '?')}, "
+                 f"{payload['steps']} steps per method per round")
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   methods = args.methods.split(",")
   from dlgs_jax.cluster import netns
+  from dlgs_jax.cluster import jobs
   from dlgs_jax.cluster import launch
   from dlgs_jax.compress import state as state_layout
   from dlgs_jax.workload.models import leaf_shapes
@@ -251,13 +249,9 @@ def main(argv=None) -> int:
       path = plan_file(args.plan_dir, args.model, name, args.density)
       if path.exists() and METHODS[base_method(exchange_of(name)[0])].takes_groups:
         plans[name] = path
-  netns.exit_if_unavailable()
-  out = Path(args.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
   stem = f"compare_{args.model}_{args.density:g}"
-  raw = out / f"{stem}_raw.json"
-  command = "python experiments/compare_cluster.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
+  job = jobs.start("compare_cluster.py", args.out_dir, f"{stem}_raw.json", argv)
+  out, raw, command = job.out, job.raw, job.command
   common = ["--model", args.model, "--density", str(args.density), "--batch-size",
             str(args.batch_size)] + (["--image-size", str(args.image_size)]
                                      if args.image_size else [])

@@ -98,15 +98,11 @@ def main(argv=None) -> int:
   if args.worker_out:
     return worker(args)
   from dlgs_jax.cluster import netns
+  from dlgs_jax.cluster import jobs
   from dlgs_jax.cluster import launch
 
-  netns.exit_if_unavailable()
-  out = Path(args.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  raw = out / "latency_raw.json"
-  command = "python experiments/latency_probe.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
-  started = time.time()
+  job = jobs.start("latency_probe.py", args.out_dir, "latency_raw.json", argv)
+  out, raw, command, started = job.out, job.raw, job.command, job.started
   env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent),
                                         os.environ.get("PYTHONPATH", "")])}
   child = ["--chains", args.chains, "--passes", str(args.passes), "--size", str(args.size),

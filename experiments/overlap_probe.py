@@ -74,6 +74,7 @@ def plot(payload, path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from dlgs_jax.profiling import figures
 
   results = payload["results"]
   fig, ax = plt.subplots(figsize=(2.2 * len(results) + 2, 3.6))
@@ -88,26 +89,18 @@ def plot(payload, path) -> None:
   ax.set_xticks(range(len(results)))
   ax.set_xticklabels([f"{r['rounds']} pass(es)\nhidden {r['hidden']:+.2f}" for r in results])
   ax.set_ylabel(f"ms per program ({results[0]['leaves']} collectives)")
-  ax.set_title(f"Overlap of collectives with independent work: P={payload['workers']} at "
-               f"{payload['bandwidth']} ({payload['backend']})", fontsize=9)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.finish(fig, ax, path, f"Overlap of collectives with independent work: "
+                 f"P={payload['workers']} at {payload['bandwidth']} ({payload['backend']})")
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   from dlgs_jax.cluster import netns
+  from dlgs_jax.cluster import jobs
   from dlgs_jax.cluster import launch
 
-  netns.exit_if_unavailable()
-  out = Path(args.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  raw = out / "overlap_raw.json"
-  command = "python experiments/overlap_probe.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
-  started = time.time()
+  job = jobs.start("overlap_probe.py", args.out_dir, "overlap_raw.json", argv)
+  out, raw, command, started = job.out, job.raw, job.command, job.started
   with netns.EmulatedCluster(args.workers, args.bandwidth, pin=not args.unpinned) as c:
     status = launch.launch(
         args.workers, ["--overlap-out", str(raw), "--overlap-rounds", args.rounds,

@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from predict_scaling import DEFAULT_PROFILES, load_profiles, plot  # noqa: E402
+from predict_scaling import DEFAULT_PROFILES, plot, prepared  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -60,13 +60,10 @@ def markdown(predictions, labels, local: int) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from dlgs_jax.planning import network, scaling
+  from dlgs_jax.planning import scaling
 
   nodes = [int(n) for n in args.nodes.split(",")]
-  bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
-  out_dir = Path(args.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  profiles, measured = load_profiles(args.profiles)
+  bandwidths, out_dir, profiles, measured = prepared(args, "GPU")
   predictions = []
   for profile in profiles:
     predictions += scaling.predict_nodes(
@@ -74,10 +71,6 @@ def main(argv=None) -> int:
         fast_bandwidth=args.fast_bandwidth, density=args.density, latency=args.latency,
         fast_latency=args.fast_latency)
   labels = [label for label, *_ in scaling.NODE_CONFIGS]
-  print("Measured (per GPU):")
-  for model, m in measured.items():
-    print(f"  {model}: forward {m['t_forward'] * 1e3:.2f} ms, backward "
-          f"{m['t_backward'] * 1e3:.2f} ms; {m['source']}")
   print(f"Predicted: both links and the iteration times; {args.local} GPUs per node, fast "
         f"link {args.fast_bandwidth / 1e9:g} GB/s, density {args.density:g}.\n")
   table = markdown(predictions, labels, args.local)

@@ -99,25 +99,33 @@ def load_profiles(paths):
   return profiles, measured
 
 
+def prepared(args, per: str, note: str = ""):
+  """(bandwidths, the output folder, profiles, what each measured), the measurements printed."""
+  from dlgs_jax.planning import network
+
+  bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
+  out_dir = Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  profiles, measured = load_profiles(args.profiles)
+  print(f"Measured (per {per}):")
+  for model, m in measured.items():
+    print(f"  {model}: forward {m['t_forward'] * 1e3:.2f} ms, backward "
+          f"{m['t_backward'] * 1e3:.2f} ms{note}; {m['source']}")
+  return bandwidths, out_dir, profiles, measured
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from dlgs_jax.planning import network
   from dlgs_jax.planning import scaling
   from dlgs_jax.planning.timeline import METHODS
 
   workers = [int(w) for w in args.workers.split(",")]
-  bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
-  out_dir = Path(args.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  profiles, sources = load_profiles(args.profiles)
+  bandwidths, out_dir, profiles, sources = prepared(args, "worker",
+                                                    ", selection costs fitted")
   predictions = []
   for profile in profiles:
     predictions += scaling.predict(profile, workers=workers, bandwidths=bandwidths,
                                    density=args.density, latency=args.latency)
-  print("Measured (per worker):")
-  for model, s in sources.items():
-    print(f"  {model}: forward {s['t_forward'] * 1e3:.2f} ms, backward "
-          f"{s['t_backward'] * 1e3:.2f} ms, selection costs fitted; {s['source']}")
   print(f"Predicted: communication (alpha-beta, latency {args.latency * 1e6:g} us per step) "
         f"and iteration times; density {args.density:g}.\n")
   table = markdown(predictions, METHODS)

@@ -50,8 +50,21 @@ def _check_below(rule: str, below) -> None:
                      f"in [0, 1] (0 never recomputes for sending too little)")
 
 
+class _ReusedAsTheyAre:
+  """The reuse step of the rules that keep a reused threshold as it is."""
+
+  def propose(self, previous, **_) -> jax.Array:
+    """The reused thresholds as they are (float32 [L])."""
+    return previous
+
+  def every_step(self, ks, whole) -> list[bool]:
+    """No leaf's threshold is computed exactly on every step."""
+    del whole
+    return [False] * len(ks)
+
+
 @dataclasses.dataclass(frozen=True)
-class FixedReuse:
+class FixedReuse(_ReusedAsTheyAre):
   """The paper's schedule: exact thresholds every `every` steps, reused as they are.
 
   Attributes:
@@ -63,15 +76,6 @@ class FixedReuse:
   def __post_init__(self):
     _check_every("FixedReuse", self.every)
 
-  def propose(self, previous, **_) -> jax.Array:
-    """The reused thresholds as they are (float32 [L])."""
-    return previous
-
-  def every_step(self, ks, whole) -> list[bool]:
-    """No leaf's threshold is computed exactly on every step."""
-    del whole
-    return [False] * len(ks)
-
   def drifted(self, passed, ks, capacities, sparse, live) -> jax.Array:
     """Never: the paper recomputes on its schedule only."""
     del passed, ks, capacities, sparse, live
@@ -79,7 +83,7 @@ class FixedReuse:
 
 
 @dataclasses.dataclass(frozen=True)
-class RefreshReuse:
+class RefreshReuse(_ReusedAsTheyAre):
   """Reused thresholds kept as they are until a leaf leaves its band.
 
   Attributes:
@@ -93,15 +97,6 @@ class RefreshReuse:
   def __post_init__(self):
     _check_every("RefreshReuse", self.every)
     _check_below("RefreshReuse", self.below)
-
-  def propose(self, previous, **_) -> jax.Array:
-    """The reused thresholds as they are (float32 [L])."""
-    return previous
-
-  def every_step(self, ks, whole) -> list[bool]:
-    """No leaf's threshold is computed exactly on every step."""
-    del whole
-    return [False] * len(ks)
 
   def drifted(self, passed, ks, capacities, sparse, live) -> jax.Array:
     """Whether a group's reused thresholds are off: one leaf outside its band (bool scalar).
