@@ -127,7 +127,8 @@ class DataParallel:
       return user_loss.Loss(nnx_loss, True, self.has_aux, self.seed)
     return user_loss.Loss(self.loss_fn, self.model_state, self.has_aux, self.seed)
 
-  def _local_step(self, state: StepState, batch):
+  def local_step(self, state: StepState, batch):
+    """One worker's step inside the mapped program (its name is the compiled program's)."""
     axis_name = self.axis_name
     key = None
     if self.seed is not None:
@@ -156,9 +157,9 @@ class DataParallel:
     key = (jax.tree_util.tree_structure(specs),
            jax.tree_util.tree_structure(state.model_state))
     if key not in self.programs:
-      mapped = (_vmapped(self._local_step, specs, self.workers, self.axis_name)
+      mapped = (_vmapped(self.local_step, specs, self.workers, self.axis_name)
                 if self.simulate_workers else
-                jax.shard_map(self._local_step, mesh=self.mesh,
+                jax.shard_map(self.local_step, mesh=self.mesh,
                               in_specs=(specs, PartitionSpec(self.axis_name)),
                               out_specs=(specs, PartitionSpec())))
       self.programs[key] = jax.jit(_batch_checked(mapped, self.workers), donate_argnums=0)
