@@ -20,8 +20,8 @@ class ClusterJob:
   started: float  # time.time() at the start
 
 
-def start(script: str, out_dir, raw_name: Optional[str] = None, argv: Optional[Sequence[str]] = None
-          ) -> ClusterJob:
+def start(script: str, out_dir, raw_name: Optional[str] = None,
+          argv: Optional[Sequence[str]] = None) -> ClusterJob:
   """Exits with the reason unless the emulated cluster can be built; else the job's place.
 
   Args:
@@ -34,5 +34,5 @@ def start(script: str, out_dir, raw_name: Optional[str] = None, argv: Optional[S
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   words = sys.argv[1:] if argv is None else list(argv)
-  return ClusterJob(out, out / raw_name if raw_name else None, " ".join([f"python experiments/{script}", *words]),
-                    time.time())
+  command = " ".join([f"python experiments/{script}", *words])
+  return ClusterJob(out, out / raw_name if raw_name else None, command, time.time())

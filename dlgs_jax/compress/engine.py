@@ -378,19 +378,10 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
     return segmented.kth_largest(laid, segmented.Segments(tuple(sizes)), kept)
 
   def per_group(found, leaves, default):
-    # Each group's listed leaves from `found` by a gather and a select, which
-    # fuse into one pass (a scatter per group would be a kernel of its own).
     out, start = [], 0
     for g, base in enumerate(default):
       n = len(leaves[g])
-      if n:
-        listed = np.zeros(len(base), bool)
-        listed[leaves[g]] = True
-        row = np.zeros(len(base), np.int32)
-        row[leaves[g]] = start + np.arange(n)
-        out.append(jnp.where(listed, found[row], base))
-      else:
-        out.append(base)
+      out.append(selection.set_at(base, leaves[g], found[start:start + n]) if n else base)
       start += n
     return out
 

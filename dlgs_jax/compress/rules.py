@@ -239,13 +239,7 @@ class AdaptedReuse:
     f_lo = jnp.asarray(factors)[lo[:, 0]]
     f_hi = jnp.asarray(factors)[lo[:, 0] + 1]
     factor = f_lo + part * (f_hi - f_lo)
-    # Back to every leaf by a gather and a select (fused into one pass), not a
-    # scatter into `previous` (a kernel of its own in every group).
-    row = np.zeros(len(ks), np.int32)
-    row[aimed_at] = np.arange(len(aimed_at))
-    is_aimed = np.zeros(len(ks), bool)
-    is_aimed[aimed_at] = True
-    return jnp.where(is_aimed, previous * factor[row], previous)
+    return selection.set_at(previous, aimed_at, previous[aimed_at] * factor)
 
   def drifted(self, passed, ks, capacities, sparse, live) -> jax.Array:
     """Whether a group sends too little altogether or a leaf overflows (bool scalar).

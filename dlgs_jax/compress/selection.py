@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -74,6 +75,20 @@ def bit_of_rank(word: jax.Array, rank: jax.Array) -> jax.Array:
     bit = jnp.where(upper, bit + width, bit)
     word = jnp.where(upper, word >> width, word & low_mask)
   return bit
+
+
+def set_at(base: jax.Array, at, values: jax.Array) -> jax.Array:
+  """`base` with ``base[at[i]] = values[i]`` for static indices `at`, by a gather and a select.
+
+  The two fuse into one pass with what reads the result; a scatter would be a
+  kernel of its own (one per group where a step writes several groups' vectors).
+  """
+  at = np.asarray(at, np.int64)
+  row = np.zeros(base.shape[0], np.int32)
+  row[at] = np.arange(len(at))
+  listed = np.zeros(base.shape[0], bool)
+  listed[at] = True
+  return jnp.where(listed, values[row], base)
 
 
 def count_valid(indices: jax.Array, size: int) -> jax.Array:

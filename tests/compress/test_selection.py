@@ -1,5 +1,6 @@
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -27,3 +28,14 @@ def test_the_sample_of_a_head_of_1000_classes_sees_every_class():
   stride = selection.coprime_stride(125, size)
   assert stride == 123 and math.gcd(stride, 1000) == 1
   assert len(set((np.arange(0, size, stride) % 1000).tolist())) == 1000
+
+
+def test_set_at_writes_the_listed_entries_as_a_scatter_would():
+  rng = np.random.default_rng(0)
+  base = rng.standard_normal(9).astype(np.float32)
+  at = [7, 0, 4]
+  values = rng.standard_normal(3).astype(np.float32)
+  expected = base.copy()
+  expected[at] = values
+  got = jax.jit(lambda b, v: selection.set_at(b, at, v))(base, values)
+  np.testing.assert_array_equal(np.asarray(got), expected)
