@@ -54,7 +54,7 @@ def parse_args(argv=None):
 
 def config_from_args(args):
   """The `PlanConfig` the flags describe, checked; exits naming the first bad flag."""
-  from dlgs_jax.cli.train import parse_refresh_below
+  from dlgs_jax.cli.train import flag_message, parse_refresh_below
   from dlgs_jax.compress.methods import ConfigError
   from dlgs_jax.training.plan_job import PlanConfig
 
@@ -62,12 +62,7 @@ def config_from_args(args):
     fields = {name: value for name, value in vars(args).items() if name != "refresh_below"}
     return PlanConfig(**fields, refresh_below=parse_refresh_below(args.refresh_below)).validate()
   except ConfigError as e:
-    raise SystemExit(_flag_message(e)) from None
-
-
-def _flag_message(error) -> str:
-  """A `ConfigError` in this command line's words (``--node-size 0 is invalid: ...``)."""
-  return f"--{error.option.replace('_', '-')} {error.value!r} is invalid: {error.rule}"
+    raise SystemExit(flag_message(e)) from None
 
 
 def main(argv=None) -> int:
