@@ -53,7 +53,7 @@ from dlgs_jax.workload import models
 from dlgs_jax.compress.hierarchical import slice_shape
 from dlgs_jax.compress.rules import AdaptedReuse
 from dlgs_jax.compress.methods import configurations, density_free
-from dlgs_jax.training.benchmark import exchange_of
+from dlgs_jax.training.bench.benchmark import exchange_of
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

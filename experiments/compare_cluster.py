@@ -220,7 +220,7 @@ def main(argv=None) -> int:
   from dlgs_jax.planning.planner import Plan
   from dlgs_jax.planning.timeline import Profile
   from dlgs_jax.compress.methods import METHODS, base_method
-  from dlgs_jax.training.benchmark import exchange_of
+  from dlgs_jax.training.bench.benchmark import exchange_of
 
   from dlgs_jax.training.compiling import check_slots
   try:

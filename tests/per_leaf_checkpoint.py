@@ -20,7 +20,7 @@ import numpy as np
 from dlgs_jax.cli import train
 from dlgs_jax.compress import common, grouping
 from dlgs_jax.compress.state import DLGSState, SparseState, leaf_residuals
-from dlgs_jax.training import checkpoint
+from dlgs_jax.training.persistence import checkpoint
 from dlgs_jax.training.run import build_run, run_identity
 from dlgs_jax.workload import parallel
 

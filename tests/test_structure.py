@@ -98,6 +98,21 @@ def test_the_checks_see_a_violation():
   assert layer("dlgs_jax.cli.train") > layer("dlgs_jax.compress.engine")
 
 
+def test_training_rooms_stay_apart():
+  """Timing a step (`bench`) and keeping a run alive (`persistence`, `outputs`) do not mix."""
+  edges = graph()
+  rooms = {"bench": "dlgs_jax.training.bench", "persistence": "dlgs_jax.training.persistence",
+           "outputs": "dlgs_jax.training.outputs"}
+  crossing = [(a, b) for a, b in ((a, b) for a in edges for b in edges[a])
+              for one, two in (("bench", "persistence"), ("persistence", "bench"),
+                               ("bench", "outputs"), ("outputs", "bench"),
+                               ("outputs", "persistence"))
+              if a.startswith(rooms[one]) and b.startswith(rooms[two])]
+  assert crossing == []
+  assert {"dlgs_jax.training.persistence.checkpoint",
+          "dlgs_jax.training.persistence.resume"} <= set(edges["dlgs_jax.training.loop"])
+
+
 @pytest.mark.parametrize("name, path", sorted(modules().items()))
 def test_modules_and_functions_stay_small(name, path):
   text = path.read_text()

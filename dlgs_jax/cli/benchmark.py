@@ -2,8 +2,8 @@
 
 Run one copy per process (e.g. under `dlgs_jax.cluster` or ``dlgs-launch
 --module dlgs_jax.cli.benchmark``). By default it times one method's iteration
-and its breakdown (`dlgs_jax.training.breakdown`); ``--compare`` times several
-methods' train steps in interleaved rounds (`dlgs_jax.training.compare`);
+and its breakdown (`dlgs_jax.training.bench.breakdown`); ``--compare`` times several
+methods' train steps in interleaved rounds (`dlgs_jax.training.bench.compare`);
 ``--profile-out`` measures a planner profile; ``--overlap-out`` asks whether the
 runtime hides a collective behind independent work. Every setting is checked
 before JAX's distributed runtime starts.
@@ -99,7 +99,7 @@ def overlap_rounds(text: str) -> tuple:
 def benchmark_config(args):
   """The checked `BenchmarkConfig` of the flags."""
   from dlgs_jax.cli.train import parse_names, parse_refresh_below
-  from dlgs_jax.training.benchmark import BenchmarkConfig
+  from dlgs_jax.training.bench.benchmark import BenchmarkConfig
 
   method = MethodConfig(args.method, density=args.density, reuse_every=args.reuse_every,
                         refresh_below=parse_refresh_below(args.refresh_below),
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     methods = profile_methods(args)
     rounds = overlap_rounds(args.overlap_rounds) if args.overlap_out else ()
     if args.overlap_out:
-      from dlgs_jax.training.benchmark import check_overlap
+      from dlgs_jax.training.bench.benchmark import check_overlap
       check_overlap(rounds, args.overlap_leaves, args.overlap_size)
   except ConfigError as e:
     raise SystemExit(flag_message(e)) from None
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
   from dlgs_jax.training import distributed
   distributed.initialize()
 
-  from dlgs_jax.training import benchmark
+  from dlgs_jax.training.bench import benchmark
   from dlgs_jax.workload import parallel
 
   mesh = parallel.data_mesh()
@@ -139,10 +139,10 @@ def main(argv=None) -> int:
   elif args.profile_out:
     benchmark.profile(config, mesh, args.profile_out, methods or None)
   elif config.compare:
-    from dlgs_jax.training.compare import compare
+    from dlgs_jax.training.bench.compare import compare
     compare(config, mesh)
   else:
-    from dlgs_jax.training.breakdown import breakdown
+    from dlgs_jax.training.bench.breakdown import breakdown
     breakdown(config, mesh)
   return 0
 

@@ -59,7 +59,7 @@ def in_slurm_job() -> bool:
 def die_with_parent() -> None:
   """A launched process (``DLGS_PARENT_PID`` set) gets SIGTERM when its launcher dies.
 
-  SIGTERM makes a run save a checkpoint and leave (`training.preemption`), so a
+  SIGTERM makes a run save a checkpoint and leave (`training.persistence.preemption`), so a
   launcher killed outright does not leave its processes running without it.
   Linux only; elsewhere nothing happens.
   """

@@ -19,11 +19,11 @@ from typing import Optional
 
 from dlgs_jax.compress.methods import ConfigError
 from dlgs_jax.training.config import RunConfig
-from dlgs_jax.training.metrics import MetricsLog, tree_sha256
+from dlgs_jax.training.outputs import MetricsLog, tree_sha256
+from dlgs_jax.training.persistence.preemption import PreemptionWatch
+from dlgs_jax.training.persistence.resume import restore_or_start
 from dlgs_jax.training.plans import PlanError
-from dlgs_jax.training.resume import restore_or_start
 from dlgs_jax.training.run import Run, RunError, build_run, run_identity
-from dlgs_jax.training.preemption import PreemptionWatch
 
 
 def train(config: RunConfig) -> dict:
@@ -36,7 +36,7 @@ def train(config: RunConfig) -> dict:
   """
   import jax
 
-  from dlgs_jax.training.workdir import WorkdirBusy, lock_for_run
+  from dlgs_jax.training.persistence.workdir import WorkdirBusy, lock_for_run
 
   config.validate()
   workdir = Path(config.checkpoint.workdir)
@@ -84,7 +84,8 @@ def _remove_partial_checkpoints(directory: Path) -> None:
 
 
 def _train_locked(config: RunConfig, workdir: Path) -> dict:
-  from dlgs_jax.training import checkpoint, step
+  from dlgs_jax.training import step
+  from dlgs_jax.training.persistence import checkpoint
 
   try:
     run = build_run(config)
@@ -381,13 +382,13 @@ def _summarize(run: Run, loop: _Loop) -> dict:
 
 def _report(run: Run, summary: dict) -> None:
   """The curves' PNG and the closing lines (process 0)."""
-  from dlgs_jax.training import report
+  from dlgs_jax.training import outputs
 
   config = run.config
   density = config.method.effective_density()
   title = (f"{config.model.name}, {config.method.name}"
            + (f" density {density:g}" if density is not None else "")
            + f", {run.workers} workers")
-  curves = report.draw_curves(report.epoch_records(run.workdir / "metrics.jsonl"),
-                              run.workdir / report.CURVES, title)
-  print("\n".join(report.closing_lines(summary, run.workdir, curves)), flush=True)
+  curves = outputs.draw_curves(outputs.epoch_records(run.workdir / "metrics.jsonl"),
+                              run.workdir / outputs.CURVES, title)
+  print("\n".join(outputs.closing_lines(summary, run.workdir, curves)), flush=True)

@@ -251,7 +251,7 @@ def build_run(config: RunConfig) -> Run:
 def run_identity(run: Run) -> dict:
   """What a checkpoint of this run must match: the config's identity and what it resolved to."""
   from dlgs_jax.compress import state as states
-  from dlgs_jax.training import reshard
+  from dlgs_jax.training.persistence import reshard
   from dlgs_jax.workload import data
 
   config, method, plan = run.config, run.config.method, run.plan

@@ -449,7 +449,7 @@ def _stop_by_signal(args, workdir, signum, total) -> int:
 @pytest.mark.slow
 def test_sigint_saves_a_checkpoint_and_resume_continues_bit_for_bit(tmp_path):
   """SIGINT stops a run at a step with a checkpoint of its own. (SIGTERM: the kill-and-resume
-  test; DGC's state through a checkpoint: tests/training/test_checkpoint.py.)"""
+  test; DGC's state through a checkpoint: tests/training/persistence/test_checkpoint.py.)"""
   args = [*PLUMBING, "--local-devices", "2", "--steps", "30", "--checkpoint-every", "100",
           "--check-every", "0"]
   step = _stop_by_signal(args, tmp_path / "stopped", signal.SIGINT, 30)

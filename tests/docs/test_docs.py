@@ -47,7 +47,7 @@ def test_the_api_reference_has_a_page_for_every_public_name(site):
     assert f"dlgs_jax.{name}" in api, name
     assert (site / "_autosummary" / f"dlgs_jax.{name}.html").exists(), name
   # The checkpointer the checkpoints page shows for your own loop.
-  assert (site / "_autosummary" / "dlgs_jax.training.checkpoint.Checkpointer.html").exists()
+  assert (site / "_autosummary" / "dlgs_jax.training.persistence.checkpoint.Checkpointer.html").exists()
 
 
 def _browser() -> str:

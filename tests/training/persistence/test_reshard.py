@@ -7,7 +7,7 @@ import pytest
 
 import dlgs_jax
 from dlgs_jax.compress.state import is_per_worker, leaf_residuals, with_leaf_residuals
-from dlgs_jax.training import reshard
+from dlgs_jax.training.persistence import reshard
 
 
 def per_worker_state(workers, rng):

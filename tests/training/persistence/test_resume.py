@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from dlgs_jax.training.config import ScheduleConfig
-from dlgs_jax.training.resume import extension_refusal
+from dlgs_jax.training.persistence.resume import extension_refusal
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "checkpoints.md"
 
 
 def saved(epochs=30, steps=None, drops=None, spe=390):

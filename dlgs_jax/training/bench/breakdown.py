@@ -1,15 +1,16 @@
 """One method's iteration time broken down into compute, selection and communication.
 
 The five programs and how the breakdown follows from them are described in
-`dlgs_jax.training.benchmark`.
+`dlgs_jax.training.bench.benchmark`.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from dlgs_jax.training.benchmark import (PROGRAMS, BenchmarkConfig, Workload, optimizer_for,
-                                         time_repetitions, workload, write_result)
+from dlgs_jax.training.bench.benchmark import (PROGRAMS, BenchmarkConfig, Workload,
+                                               optimizer_for, time_repetitions, workload,
+                                               write_result)
 
 
 class _Programs:

@@ -7,7 +7,7 @@ import pytest
 
 import dlgs_jax
 from dlgs_jax import training
-from dlgs_jax.training import checkpoint
+from dlgs_jax.training.persistence import checkpoint
 from dlgs_jax.workload import data
 from dlgs_jax.workload import models
 from dlgs_jax.workload import parallel

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlgs_jax.training.benchmark import (BenchmarkConfig, compare_groups, exchange_of,
-                                         optimizer_for, time_repetitions, workload, write_result)
+from dlgs_jax.training.bench.benchmark import (BenchmarkConfig, compare_groups, exchange_of,
+                                               optimizer_for, time_repetitions, workload,
+                                               write_result)
 from dlgs_jax.training.compiling import compile_in_turns
 
 

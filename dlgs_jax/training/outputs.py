@@ -1,12 +1,15 @@
-"""What a finished run tells its user: a few plain lines and a PNG of its curves.
+"""What a run writes: per-step metrics (JSONL), hashes of its state, its closing report.
 
-The closing lines say how the run ended, what each worker sent against a dense
-all-reduce, and where every file went; the figures themselves, parameter
-hashes included, are in ``summary.json``.
+`MetricsLog` appends a record per step and per epoch; `tree_sha256` fingerprints the
+trained state; the closing lines and a PNG of the curves are what a finished run
+tells its user. The closing lines say how the run ended, what each worker sent
+against a dense all-reduce, and where every file went; the figures themselves,
+parameter hashes included, are in ``summary.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -20,6 +23,50 @@ WORKDIR_FILES = (
     ("config.json", "the resolved config: dlgs-train --config reruns it"),
     ("checkpoints/", "continue or extend with --resume"),
 )
+
+
+def tree_sha256(tree) -> str:
+  """SHA-256 over the raw bytes, shapes and dtypes of a tree of host arrays."""
+  import jax
+  import numpy as np
+
+  digest = hashlib.sha256()
+  for leaf in jax.tree_util.tree_leaves(tree):
+    leaf = np.ascontiguousarray(np.asarray(leaf))
+    digest.update(f"{leaf.dtype}{leaf.shape}".encode())
+    digest.update(leaf.tobytes())
+  return digest.hexdigest()
+
+
+class MetricsLog:
+  """JSONL metrics on process 0; on resume, records past the checkpoint are dropped."""
+
+  def __init__(self, path: Path, enabled: bool, resume_step: int):
+    self.path = path
+    self.enabled = enabled
+    self.file = None
+    if not enabled:
+      return
+    kept = []
+    if resume_step > 0 and path.exists():
+      for line in path.read_text().splitlines():
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # a line cut short by a kill
+        if record.get("step", 0) <= resume_step:
+          kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+    self.file = open(path, "a")
+
+  def write(self, record: dict) -> None:
+    if self.file:
+      self.file.write(json.dumps(record) + "\n")
+      self.file.flush()
+
+  def close(self) -> None:
+    if self.file:
+      self.file.close()
 
 
 def epoch_records(metrics_path: Path) -> list[dict]:

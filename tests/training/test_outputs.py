@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlgs_jax.training import report
+from dlgs_jax.training import outputs
 
 
 def write_metrics(path, records):
@@ -23,17 +23,17 @@ def test_epoch_records_keep_one_per_epoch_the_later_when_evaluated_twice(tmp_pat
   # A run ended mid-epoch 1 (step 70), then extended: epoch 1 evaluated again at 118.
   write_metrics(path, [{"step": 1, "loss": 2.0}, epoch(0, 59, 0.2), epoch(1, 70, 0.25),
                        {"step": 71, "loss": 1.9}, epoch(1, 118, 0.3), epoch(2, 140, 0.35)])
-  found = report.epoch_records(path)
+  found = outputs.epoch_records(path)
   assert [(r["epoch"], r["step"]) for r in found] == [(0, 59), (1, 118), (2, 140)]
 
 
 def test_curves_are_a_png_of_two_panels(tmp_path):
   records = [epoch(e, 10 * (e + 1), 0.1 * e) for e in range(5)]
-  assert report.draw_curves(records, tmp_path / "c.png", "title")
+  assert outputs.draw_curves(records, tmp_path / "c.png", "title")
   image = np.asarray(Image.open(tmp_path / "c.png").convert("L"))
   assert image.shape == (340, 900)
   assert (image < 128).mean() > 0.01  # axes, lines and labels drawn, not a blank page
-  assert not report.draw_curves([], tmp_path / "none.png")
+  assert not outputs.draw_curves([], tmp_path / "none.png")
   assert not (tmp_path / "none.png").exists()
 
 
@@ -44,20 +44,20 @@ def test_curves_are_a_png_of_two_panels(tmp_path):
     (1.45e6, 3.55e6, "sent 1.45 MB a step; a dense float32 all-reduce sends 3.55 MB (2.4x less)"),
     (512.0, 3.2e9, "512 B a step; a dense float32 all-reduce sends 3.2 GB (6250000x less)")])
 def test_traffic_is_compared_with_a_dense_all_reduce(sent, dense, expected):
-  line = report.traffic_line({"bytes_sent_per_step": sent, "dense_bytes_per_step": dense})
+  line = outputs.traffic_line({"bytes_sent_per_step": sent, "dense_bytes_per_step": dense})
   assert expected in line
-  assert report.traffic_line({"bytes_sent_per_step": None, "dense_bytes_per_step": dense}) == ""
+  assert outputs.traffic_line({"bytes_sent_per_step": None, "dense_bytes_per_step": dense}) == ""
 
 
 def test_closing_lines_say_the_result_and_every_file(tmp_path):
   summary = {"seconds": 90.0, "steps_this_run": 30, "steps": 50, "final_test_accuracy": 0.4123,
              "final_test_loss": 1.61, "bytes_sent_per_step": 1000.0,
              "dense_bytes_per_step": 100000.0, "stopped_early": False}
-  lines = report.closing_lines(summary, tmp_path, curves=True)
+  lines = outputs.closing_lines(summary, tmp_path, curves=True)
   assert lines[0] == ("finished: 30 steps in 1.5 min (step 50 of the run); test accuracy "
                       "41.2%, test loss 1.610")
   assert "(100x less)" in lines[1] and lines[2] == f"wrote {tmp_path}/"
-  assert [line.split()[0] for line in lines[3:]] == [name for name, _ in report.WORKDIR_FILES]
-  stopped = report.closing_lines(dict(summary, stopped_early=True), tmp_path, curves=False)
+  assert [line.split()[0] for line in lines[3:]] == [name for name, _ in outputs.WORKDIR_FILES]
+  stopped = outputs.closing_lines(dict(summary, stopped_early=True), tmp_path, curves=False)
   assert stopped[0].startswith("stopped: 30 steps")
-  assert not any(report.CURVES in line for line in stopped)
+  assert not any(outputs.CURVES in line for line in stopped)

@@ -14,7 +14,7 @@ def restore_or_start(run: Run, ckpt) -> int:
     RunError: for a workdir holding checkpoints without ``resume``, or a
       checkpoint of another run.
   """
-  from dlgs_jax.training import checkpoint
+  from dlgs_jax.training.persistence import checkpoint
 
   directory = run.workdir / "checkpoints"
   if ckpt.latest_step() is None:
@@ -131,7 +131,7 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
   """Restores a checkpoint of another worker count or exchange onto this run's, mass kept."""
   import jax
 
-  from dlgs_jax.training import reshard
+  from dlgs_jax.training.persistence import reshard
   from dlgs_jax.workload import parallel
 
   exchange = reshard.exchange_name(run.mesh)
@@ -182,7 +182,7 @@ def _restore_per_leaf(run: Run, ckpt, differences: dict) -> dict:
   import jax
 
   from dlgs_jax.compress import state as states
-  from dlgs_jax.training import checkpoint
+  from dlgs_jax.training.persistence import checkpoint
   from dlgs_jax.workload import parallel
 
   saved_layout = differences["state_layout"][0]
