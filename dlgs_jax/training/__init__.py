@@ -7,6 +7,6 @@ the workdir, preemption), `outputs` (what a run writes and tells its user) and
 `bench` (timing a run's step: `benchmark`, `compare`, `breakdown`).
 """
 
-from dlgs_jax.training.step import (TrainState, check_replicas_identical, evaluate_dataset,
+from dlgs_jax.training.step import (StepState, check_replicas_identical, evaluate_dataset,
                                     init_train_state, make_eval_fn, make_fingerprint_fn,
                                     make_train_step, train_state_from_variables)

@@ -296,7 +296,7 @@ class _Loop:
 
     run = self.run
     self.result = train_step.evaluate_dataset(run.evaluate, run.state.params,
-                                              run.state.batch_stats, run.test_set,
+                                              run.state.model_state, run.test_set,
                                               run.config.data.eval_batch_size)
     epoch_records = [r for r in self.history if r["epoch"] == epoch]
     record = {"step": self.step, "epoch": epoch, "event": "epoch_end", **self.result}
@@ -346,7 +346,7 @@ def _summarize(run: Run, loop: _Loop) -> dict:
   from dlgs_jax.workload import parallel
 
   elapsed = time.perf_counter() - loop.started
-  params_sha = tree_sha256(parallel.fetch((run.state.params, run.state.batch_stats)))
+  params_sha = tree_sha256(parallel.fetch((run.state.params, run.state.model_state)))
   opt_sha = tree_sha256(parallel.fetch(run.state.opt_state))
   if jax.process_count() > 1:  # each process reports its own copy, to compare across logs
     print(f"process {jax.process_index()}: params_sha256 {params_sha} "

@@ -19,17 +19,14 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax.workload import data, parallel, sharded_step
 from dlgs_jax.workload.losses import apply_for_training, cross_entropy, init_variables
+from dlgs_jax.workload.sharded_step import StepState
 
-
-class TrainState(NamedTuple):
-  params: Any       # replicated parameter tree
-  batch_stats: Any  # replicated BatchNorm statistics ({} if the model has none)
-  opt_state: Any    # per worker: leading worker axis
-  step: jax.Array   # int32[], replicated
+# A run's state is the step's own (`sharded_step.StepState`): its model state is
+# the BatchNorm statistics ({} if the model has none).
 
 
 def train_state_from_variables(variables: dict, tx: optax.GradientTransformation,
-                               mesh: Mesh, workers: Optional[int] = None) -> TrainState:
+                               mesh: Mesh, workers: Optional[int] = None) -> StepState:
   """Places `variables` (from `init_variables`) and `tx`'s initial state on `mesh`.
 
   Args:
@@ -40,15 +37,14 @@ def train_state_from_variables(variables: dict, tx: optax.GradientTransformation
     workers: workers simulated on the mesh's one device (None: one per device).
 
   Returns:
-    The `TrainState` at step 0.
+    The `StepState` at step 0.
   """
-  return TrainState(*sharded_step.initial_state(tx, variables["params"],
-                                                 variables.get("batch_stats", {}), mesh,
-                                                 workers))
+  return sharded_step.initial_state(tx, variables["params"], variables.get("batch_stats", {}),
+                                    mesh, workers)
 
 
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample: np.ndarray,
-                     mesh: Mesh, seed: int) -> TrainState:
+                     mesh: Mesh, seed: int) -> StepState:
   """Initialises parameters from `seed` (identical in every process) and places them."""
   return train_state_from_variables(init_variables(model, sample, seed), tx, mesh)
 
@@ -102,13 +98,12 @@ class TrainStep(NamedTuple):
   """``step(state, images, labels) -> (state, metrics)``; `compile` prepares it without running."""
   stepper: sharded_step.DataParallel
 
-  def __call__(self, state: TrainState, images, labels):
-    new_state, metrics = self.stepper.step(sharded_step.StepState(*state), (images, labels))
-    return TrainState(*new_state), metrics
+  def __call__(self, state: StepState, images, labels):
+    return self.stepper.step(state, (images, labels))
 
-  def compile(self, state: TrainState, images, labels) -> None:
+  def compile(self, state: StepState, images, labels) -> None:
     """Compiles the step for these inputs; nothing runs or is exchanged."""
-    self.stepper.compile(sharded_step.StepState(*state), (images, labels))
+    self.stepper.compile(state, (images, labels))
 
 
 def make_fingerprint_fn(mesh: Mesh) -> Callable:
@@ -133,7 +128,7 @@ def make_fingerprint_fn(mesh: Mesh) -> Callable:
                                out_specs=PartitionSpec(axis), check_vma=False))
 
 
-def check_replicas_identical(fingerprint: Callable, state: TrainState, step: int) -> None:
+def check_replicas_identical(fingerprint: Callable, state: StepState, step: int) -> None:
   """Fails loudly unless every worker holds bit-identical parameters.
 
   Raises:
@@ -141,7 +136,7 @@ def check_replicas_identical(fingerprint: Callable, state: TrainState, step: int
   """
   from jax.experimental import multihost_utils
 
-  prints = fingerprint(state.params, state.batch_stats)
+  prints = fingerprint(state.params, state.model_state)
   if jax.process_count() > 1:
     prints = multihost_utils.process_allgather(prints, tiled=True)
   prints = np.asarray(prints)

@@ -65,7 +65,7 @@ class _Programs:
     jax, work, tx, tx_local = self.jax, self.work, self.tx, self.tx_local
     device = jax.local_devices()[0]
     params = jax.device_put(parallel.fetch(self.state.params), device)
-    batch_stats = jax.device_put(parallel.fetch(self.state.batch_stats), device)
+    batch_stats = jax.device_put(parallel.fetch(self.state.model_state), device)
     grad_fn = jax.jit(lambda p, x, y: losses.batch_gradients(work.model, p, batch_stats, x, y)[0])
 
     @jax.jit

@@ -1,7 +1,7 @@
 """Checkpoints of a whole training run with orbax-checkpoint, verified end to end.
 
-A checkpoint holds the `training.TrainState` (parameters, BatchNorm statistics,
-the full optimizer state -- error-feedback residuals and DLGS thresholds of
+A checkpoint holds the run's `StepState` (parameters, model state such as BatchNorm
+statistics, the full optimizer state -- error-feedback residuals and DLGS thresholds of
 every worker -- and the step) plus a JSON record: the run's identity (every
 setting that changes what the saved arrays mean or what the run computes), the
 data position, the plan, a fingerprint of every saved array and a SHA-256 of the
@@ -190,8 +190,7 @@ class Checkpointer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         if isinstance(x, jax.Array) else x, target)
     try:
-      restored = self.manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+      restored = self._restore_state(step, abstract)
     except Exception as e:
       raise CheckpointCorrupt(f"its arrays cannot be read ({_first_line(e)})") from None
     if tree_fingerprints(restored) != record.get("fingerprints"):
@@ -235,11 +234,43 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.close()
 
+  def _restore_state(self, step: int, abstract: Any) -> Any:
+    """The saved state laid out like `abstract`, under today's field names or older ones."""
+    def restore(item):
+      return self.manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(item)))["state"]
+
+    try:
+      return restore(abstract)
+    except ValueError as error:
+      older = _older_field_names(abstract)
+      if older is None:
+        raise
+      first = error
+    # Same arrays in the same order: only the name orbax keys them by differs.
+    try:
+      saved = restore(dict(zip(older, abstract)))
+    except ValueError:
+      raise first from None
+    return type(abstract)(*(saved[name] for name in older))
+
   def _step(self, step: Optional[int]) -> int:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     return int(step)
+
+
+# Field names a state once had: checkpoints of runs before the step state had one
+# type name the model state "batch_stats".
+OLDER_FIELD_NAMES = {"model_state": "batch_stats"}
+
+
+def _older_field_names(state: Any) -> Optional[list[str]]:
+  """`state`'s field names as older checkpoints wrote them; None if none changed."""
+  fields = list(getattr(state, "_fields", ()))
+  older = [OLDER_FIELD_NAMES.get(name, name) for name in fields]
+  return older if older != fields else None
 
 
 def _everywhere(ok: bool) -> bool:

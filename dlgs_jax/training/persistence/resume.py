@@ -144,7 +144,7 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
                              state.params)
   target = state._replace(
       params=jax.tree_util.tree_map(_host, state.params),
-      batch_stats=jax.tree_util.tree_map(_host, state.batch_stats),
+      model_state=jax.tree_util.tree_map(_host, state.model_state),
       opt_state=parallel.map_state(lambda x: _host(x, saved_workers),
                                    lambda node: jax.tree_util.tree_map(_host, node), saved_opt),
       step=_host(state.step))
@@ -154,7 +154,7 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
                                       restored.params, old_fast, new_fast)
   run.state = state._replace(
       params=parallel.replicate(restored.params, run.mesh),
-      batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
+      model_state=parallel.replicate(restored.model_state, run.mesh),
       opt_state=parallel.place_rows(opt_state, run.mesh, run.workers),
       step=parallel.replicate(restored.step, run.mesh))
   shapes = ("" if exchange == saved_exchange == "flat"
@@ -198,7 +198,7 @@ def _restore_per_leaf(run: Run, ckpt, differences: dict) -> dict:
   state = run.state
   target = state._replace(
       params=jax.tree_util.tree_map(_host, state.params),
-      batch_stats=jax.tree_util.tree_map(_host, state.batch_stats),
+      model_state=jax.tree_util.tree_map(_host, state.model_state),
       opt_state=_per_leaf_shapes(state.opt_state, state.params),
       step=_host(state.step))
   try:
@@ -209,7 +209,7 @@ def _restore_per_leaf(run: Run, ckpt, differences: dict) -> dict:
   opt_state = _to_flat(restored.opt_state, jax.tree_util.tree_map(_host, state.opt_state))
   run.state = state._replace(
       params=parallel.replicate(restored.params, run.mesh),
-      batch_stats=parallel.replicate(restored.batch_stats, run.mesh),
+      model_state=parallel.replicate(restored.model_state, run.mesh),
       opt_state=parallel.place_rows(opt_state, run.mesh, run.workers),
       step=parallel.replicate(restored.step, run.mesh))
   _check_extension(run, record)

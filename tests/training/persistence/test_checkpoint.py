@@ -1,4 +1,5 @@
 import gc
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,6 +39,27 @@ def states():
 
 def host(tree):
   return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+class OlderState(NamedTuple):
+  """The step state as checkpoints wrote it before it had one type."""
+  params: Any
+  batch_stats: Any
+  opt_state: Any
+  step: Any
+
+
+def test_a_checkpoint_with_the_older_field_name_restores_into_the_step_state(tmp_path, states):
+  state, fresh = states
+  ckpt = checkpoint.Checkpointer(tmp_path, RUN, asynchronous=False)
+  ckpt.save(2, OlderState(*state), data_position={"epoch": 0, "batch": 2})
+  restored, _ = ckpt.restore(fresh)
+  assert type(restored) is type(fresh) and restored._fields[1] == "model_state"
+  for a, b in zip(host(restored), host(state)):
+    np.testing.assert_array_equal(a, b)
+  # Other mismatches are still refused, not renamed into something else.
+  with pytest.raises(checkpoint.CheckpointCorrupt, match="cannot be read"):
+    ckpt.restore(fresh._replace(params={"other": np.zeros(3, np.float32)}))
 
 
 @pytest.mark.slow
