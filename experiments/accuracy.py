@@ -148,9 +148,7 @@ def train_command(args, name, density, seed, workdir):
   if two_level:
     command += ["--node-size", str(args.node_size)]
   if args.plan_dir:
-    if str(HERE) not in sys.path:
-      sys.path.insert(0, str(HERE))
-    from bench_cluster import plan_file
+    from dlgs_jax.planning.pricing import plan_file
 
     plan = plan_file(args.plan_dir, args.model, name, density)
     if plan.exists():

@@ -35,16 +35,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import dlgs_jax
 from dlgs_jax.compress import engine, grouping
 from dlgs_jax.compress.methods import MethodConfig
-from dlgs_jax.compress.state import comm_stats
 from dlgs_jax.workload import models
 from dlgs_jax import profiling
 from dlgs_jax.profiling import programs
-from dlgs_jax.profiling.update import warm_state
+from dlgs_jax.profiling.periods import schedule_period, step_gradients
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -101,57 +99,6 @@ def make_selectors(params, density, reuse_every, grouped, candidates):
     return engine.pick(topk, whole, 0, whole.lay_out(0, leaves)).positions
 
   return dlgs_step, paper_step, lags_step, topk_step, initial_thresholds(layout)
-
-
-def step_gradients(params, steps: int, seed: int = 0) -> list:
-  """`steps` gradient trees shaped like `params`, each drawn afresh (standard normal).
-
-  A gradient repeated on every step adds itself to each value a threshold
-  leaves behind, step after step: the residual's largest values then grow
-  without bound, adapted thresholds drift on most steps (ResNet-20: the
-  default recomputed on 14 of 20) and the paper's schedule passes up to 77
-  times its buffer -- unlike training, whose gradients change from step to step.
-  """
-  rng = np.random.default_rng(seed)
-  return [jax.tree_util.tree_map(
-      lambda s: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32)), params)
-      for _ in range(steps)]
-
-
-def schedule_period(tx, gradients: list, warm_periods: int = 2, update=None):
-  """One period of a transform's schedule, from a warmed-up state, and its exact counts.
-
-  The state first takes ``warm_periods`` passes over `gradients`, so its
-  residual is that of a run under way and its step count a multiple of
-  ``len(gradients)`` (the schedule's exact step comes first in a period).
-
-  Args:
-    tx: a transform of this library (its state holds `CommStats`).
-    gradients: one gradient tree per step of the period.
-    warm_periods: passes over `gradients` before the timed period.
-    update: ``tx.update`` compiled already (e.g. an AOT executable whose
-      program was counted); None: ``jax.jit(tx.update)``.
-
-  Returns:
-    ``(run, exact_leaves)``: ``run()`` applies the jitted update once per
-    gradient from the warmed state and returns the last update; the mean
-    number of leaves whose threshold was computed exactly per step of the period.
-  """
-  update = jax.jit(tx.update) if update is None else update
-  warmed = warm_state(update, tx.init(gradients[0]), gradients, None,
-                      warm_periods * len(gradients))
-  state, exact = warmed, []
-  for grads in gradients:
-    _, state = update(grads, state)
-    exact.append(int(comm_stats(state).exact))
-
-  def run():
-    s, u = warmed, None
-    for grads in gradients:
-      u, s = update(grads, s)
-    return u
-
-  return run, float(np.mean(exact))
 
 
 def bench_config(name, density, reuse_every, repeats, with_updates, grouped, candidates):

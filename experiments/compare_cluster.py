@@ -121,9 +121,7 @@ def predictions(payload, profile, shapes, plans: dict) -> dict:
   Returns:
     method -> the predicted breakdown (`timeline.Timeline.breakdown`, seconds).
   """
-  if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-  from bench_cluster import PREDICTABLE, method_costs
+  from dlgs_jax.planning.pricing import PREDICTABLE, method_costs
   from dlgs_jax.compress.methods import METHODS, base_method
   from dlgs_jax.planning import planner
   from dlgs_jax.planning.timeline import simulate
@@ -232,9 +230,7 @@ def main(argv=None) -> int:
   if args.profile and not args.measure_profile and not Path(args.profile).exists():
     raise SystemExit(f"--profile {args.profile!r}: no such file (add --measure-profile to "
                      "measure it on the cluster)")
-  if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-  from bench_cluster import plan_file, profiled_methods, require_update_costs
+  from dlgs_jax.planning.pricing import plan_file, profiled_methods, require_update_costs
 
   if args.profile and not args.measure_profile:
     # Before the comparison runs, not after: a method the profile did not time

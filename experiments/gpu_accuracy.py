@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,17 +78,14 @@ def run(args) -> int:
   """Trains dense and DLGS on the slice (`accuracy.py --simulate`) and records the device."""
   import jax
 
-  if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-  import accuracy
-
   if not (Path(args.data_dir) / TRAIN_FILES[0]).is_file():
     raise SystemExit(f"no CIFAR-10 slice in {args.data_dir}: run `python "
                      f"experiments/gpu_accuracy.py pack` first and carry device_data/cifar10")
   out = Path(args.out_dir)
   started = time.time()
-  status = accuracy.main([
-      "--model", args.model, "--methods", "dense,dlgs", "--densities", str(args.density),
+  # accuracy.py in its own process, as any experiment runs another: no script imports one.
+  status = subprocess.call([
+      sys.executable, str(HERE / "accuracy.py"), "--model", args.model, "--methods", "dense,dlgs", "--densities", str(args.density),
       "--workers", str(args.workers), "--simulate", "--epochs", str(args.epochs),
       "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--data-dir",
       str(args.data_dir), "--out-dir", str(out), "--runs-dir", str(args.runs_dir), "--rerun"])

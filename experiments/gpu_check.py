@@ -21,7 +21,7 @@ What it measures, per model (VGG16 and ResNet-50 leaf shapes) and density:
   default rule, LAGS and DLGS with every leaf in one group and with the
   default grouping. Each update runs one whole reuse period on gradients drawn
   afresh for every step, from a state warmed over two periods
-  (`bench_sparsify.schedule_period`). Rounds alternate the floor and the
+  (`profiling.periods.schedule_period`). Rounds alternate the floor and the
   update; the ratio reported is the median of the rounds' ratios.
 * **What each compiled update is made of** on this backend: conditionals
   (each waits for the host on GPU), sorts and top-k calls, kernels
@@ -46,9 +46,6 @@ so a slot cut short still leaves what was measured. Prints a table at the end.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -58,15 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-  sys.path.insert(0, str(HERE))
+import dlgs_jax
+from dlgs_jax.profiling.periods import (checked_updates, compiled_update, schedule_period,
+                                        step_gradients)
+from dlgs_jax.profiling.records import machine, write_json
+from dlgs_jax.workload import losses, models
 
-import dlgs_jax  # noqa: E402
-from bench_sparsify import schedule_period, step_gradients  # noqa: E402
-from dlgs_jax.compress import grouping  # noqa: E402
-from dlgs_jax.profiling import programs  # noqa: E402
-from dlgs_jax.workload import losses, models  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 # Realistic per-device batches for forward+backward: (batch, image side).
 FULL_BATCH = {"vgg16": (128, 32), "resnet50": (64, 224), "resnet20": (128, 32),
@@ -90,32 +85,6 @@ def floor_pass(grads: list, residuals: list, thresholds: list):
 
 
 METHODS = ("dense", "topk", "gtopk", "lags", "dlgs-paper", "dlgs")
-
-
-def transforms(density: float, reuse_every: int, params) -> list[tuple[str, str, object]]:
-  """(method, grouping, transform) of every update the check times, most important first."""
-  one = [grouping.leaf_paths(params)]
-  paper = dict(thresholds=dlgs_jax.FixedReuse(reuse_every))
-  adapted = dict(thresholds=dlgs_jax.AdaptedReuse(reuse_every))
-  return [
-      ("dense", "-", dlgs_jax.dense()),
-      ("topk", "-", dlgs_jax.topk(density)),
-      ("gtopk", "-", dlgs_jax.gtopk(density)),
-      ("lags", "one group", dlgs_jax.lags(density, groups=one)),
-      ("dlgs-paper", "one group", dlgs_jax.dlgs(density, groups=one, **paper)),
-      ("dlgs", "one group", dlgs_jax.dlgs(density, groups=one, **adapted)),
-      ("lags", "default", dlgs_jax.lags(density)),
-      ("dlgs-paper", "default", dlgs_jax.dlgs(density, **paper)),
-      ("dlgs", "default", dlgs_jax.dlgs(density, **adapted)),
-  ]
-
-
-def compiled_update(tx, grads):
-  """``tx.update`` compiled ahead of time, the counts of that program, and its HLO text."""
-  state = tx.init(grads)
-  executable = jax.jit(tx.update).lower(grads, state).compile()
-  hlo = executable.as_text()
-  return (lambda g, s, params=None: executable(g, s)), programs.count_hlo(hlo), hlo
 
 
 def paired_ratio(first, second, rounds: int) -> tuple[float, float, float]:
@@ -272,7 +241,7 @@ def run_whole_steps(args, result: dict, batches: dict, started: float) -> None:
       row["over_dense"] = None if dense is None else row["step_ms"] / dense
       print(f"{name} {density:g} {method:10s} whole step {row['step_ms']:9.2f} ms"
             + ("" if dense is None else f"  {row['over_dense']:.2f}x dense"), flush=True)
-      write(args.out, result)
+      write_json(args.out, result)
 
 
 def run_check(args) -> dict:
@@ -297,13 +266,13 @@ def run_check(args) -> dict:
     if not args.no_forward_backward:
       print(f"{name}: forward+backward at batch {batch} ({side}x{side}) "
             f"{result['models'][name]['forward_backward_ms']:.2f} ms", flush=True)
-    write(args.out, result)
+    write_json(args.out, result)
   # Density 0.01 with one group first (the targets), the whole step, then the default
   # grouping, then the rest.
   work = []
   for density in sorted(args.densities):
     for name in args.models:
-      listed = [(m, g, tx) for m, g, tx in transforms(density, args.reuse_every,
+      listed = [(m, g, tx) for m, g, tx in checked_updates(density, args.reuse_every,
                                                       periods[name][0])
                 if args.methods is None or m in args.methods]
       if args.one_group:
@@ -330,7 +299,7 @@ def run_check(args) -> dict:
     print(f"{name} {density:g} {method:10s} {group:9s} {row['update_ms']:9.2f} ms  "
           f"{row['over_floor']:6.1f}x floor  cond {row['conditionals']} "
           f"sort+topk {row['sorts'] + row['top_k']} kernels {row['kernels']}", flush=True)
-    write(args.out, result)
+    write_json(args.out, result)
 
   for item in targets:
     measure(*item)
@@ -340,7 +309,7 @@ def run_check(args) -> dict:
     measure(*item)
   result["seconds"] = time.perf_counter() - started
   result["table"] = format_table(result)
-  write(args.out, result)
+  write_json(args.out, result)
   return result
 
 
@@ -366,21 +335,6 @@ def format_table(result: dict) -> str:
       lines.append(f"| {r['model']} | {r['density']:g} | {r['method']} | {r['batch']} | "
                    f"{r['step_ms']:.2f} | {over} |")
   return "\n".join(lines)
-
-
-def machine() -> dict:
-  """The backend, device and JAX version, and the XLA flags a variant ran under."""
-  device = jax.devices()[0]
-  return {"backend": jax.default_backend(), "device": device.device_kind,
-          "devices": jax.device_count(), "platform": platform.platform(),
-          "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-
-
-def write(out: Path, result: dict) -> None:
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out.with_suffix(".tmp")
-  tmp.write_text(json.dumps(result, indent=1))
-  tmp.replace(out)
 
 
 def parse_args(argv):

@@ -8,7 +8,7 @@ its floor; and the same at small sizes on CPU (the tests run it):
     python experiments/gpu_profile.py --read OUT                     # kernels per step (xprof)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python experiments/gpu_profile.py --out-dir OUT2
 
-Per model and method (`gpu_check.transforms`, every leaf in one group):
+Per model and method (`profiling.periods.checked_updates`, every leaf in one group):
 
 * **Each step of one schedule period timed alone** (median over ``--rounds``),
   from a warmed state on gradients drawn afresh for every step, with the number
@@ -43,15 +43,13 @@ from pathlib import Path
 
 import jax
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-  sys.path.insert(0, str(HERE))
+from dlgs_jax.compress.state import comm_stats
+from dlgs_jax.profiling.periods import checked_updates, compiled_update, step_gradients
+from dlgs_jax.profiling.records import machine, write_json
+from dlgs_jax.profiling.update import warm_state
+from dlgs_jax.workload import models
 
-from bench_sparsify import step_gradients  # noqa: E402
-from dlgs_jax.compress.state import comm_stats  # noqa: E402
-from dlgs_jax.profiling.update import warm_state  # noqa: E402
-from dlgs_jax.workload import models  # noqa: E402
-from gpu_check import compiled_update, machine, transforms, write  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 METHODS = ("topk", "lags", "dlgs-paper", "dlgs")
 TRACED = ("dlgs-paper", "dlgs")
@@ -94,7 +92,7 @@ def profile(args) -> dict:
   for name in args.models:
     params = models.param_shapes(name)
     gradients = step_gradients(params, args.reuse_every)
-    for method, group, tx in transforms(args.density, args.reuse_every, params):
+    for method, group, tx in checked_updates(args.density, args.reuse_every, params):
       if method not in args.methods or group == "default":
         continue
       update, counts, hlo = compiled_update(tx, gradients[0])
@@ -109,7 +107,7 @@ def profile(args) -> dict:
                                     args.out_dir / f"{stem}.xplane.pb")
         (args.out_dir / f"{stem}.hlo.txt").write_text(hlo)
       result["rows"].append(row)
-      write(args.out_dir / "profile.json", result)
+      write_json(args.out_dir / "profile.json", result)
       print(f"{name} {method:10s} step 0 {steps[0]['ms']:.2f} ms ({steps[0]['exact_leaves']} "
             f"exact leaves), the others {statistics.median(s['ms'] for s in steps[1:]):.2f} ms "
             f"(median), {counts['kernels']} kernels", flush=True)

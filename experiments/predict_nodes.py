@@ -20,14 +20,13 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from predict_scaling import DEFAULT_PROFILES, plot, prepared  # noqa: E402
+# The GPU profiles of the models a node of 8 GPUs trains (see each profile's `source`).
+DEFAULT_PROFILES = [HERE / "results" / "profiles" / f"{m}_gpu.json" for m in ("vgg16", "resnet50")]
 
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--profiles", nargs="+", default=[str(p) for p in DEFAULT_PROFILES[1:]],
+  parser.add_argument("--profiles", nargs="+", default=[str(p) for p in DEFAULT_PROFILES],
                       help="measured profile JSON files (default: VGG16 and ResNet-50, H100)")
   parser.add_argument("--nodes", default="2,4,8,16", help="comma-separated node counts N")
   parser.add_argument("--local", type=int, default=8, help="GPUs per node L")
@@ -60,10 +59,15 @@ def markdown(predictions, labels, local: int) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from dlgs_jax.planning import scaling
+  from dlgs_jax.planning import network, scaling
+  from dlgs_jax.profiling import figures
 
   nodes = [int(n) for n in args.nodes.split(",")]
-  bandwidths, out_dir, profiles, measured = prepared(args, "GPU")
+  bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
+  out_dir = Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  profiles, measured = scaling.load_profiles(args.profiles)
+  print("\n".join(scaling.measured_lines(measured, "GPU")))
   predictions = []
   for profile in profiles:
     predictions += scaling.predict_nodes(
@@ -82,7 +86,9 @@ def main(argv=None) -> int:
       "latency": args.latency, "fast_latency": args.fast_latency, "density": args.density,
       "predictions": [p.to_dict() for p in predictions]}, indent=1))
   (out_dir / f"{stem}.md").write_text(table + "\n")
-  plot(predictions, labels, out_dir / f"{stem}.png", args.density)
+  figures.speedup_grid(predictions, labels, out_dir / f"{stem}.png",
+                       f"Predicted speedup over dense all-reduce, density {args.density:g} "
+                       "(compute measured, network modelled)")
   print(f"\nwrote {out_dir / stem}.json, .md, .png")
   return 0
 

@@ -53,75 +53,18 @@ def markdown(predictions, methods) -> str:
   return "\n".join(lines)
 
 
-def plot(predictions, methods, path, density):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from dlgs_jax.planning import network, scaling
+  from dlgs_jax.planning.timeline import METHODS
+  from dlgs_jax.profiling import figures
 
-  models = list(dict.fromkeys(p.model for p in predictions))
-  bandwidths = list(dict.fromkeys(p.bandwidth_bits for p in predictions))
-  fig, axes = plt.subplots(len(models), len(bandwidths), squeeze=False,
-                           figsize=(4 * len(bandwidths), 3 * len(models)), sharex=True)
-  for r, model in enumerate(models):
-    for c, bits in enumerate(bandwidths):
-      ax = axes[r, c]
-      for method in methods:
-        pts = [p for p in predictions
-               if p.model == model and p.bandwidth_bits == bits and p.method == method]
-        ax.plot([p.workers for p in pts], [p.speedup_vs_dense for p in pts], marker="o",
-                markersize=3, label=method)
-      ax.set_xscale("log", base=2)
-      ax.axhline(1.0, color="0.7", linewidth=0.8)
-      ax.set_title(f"{model}, {bits / 1e9:g} Gb/s", fontsize=9)
-      if c == 0:
-        ax.set_ylabel("speedup over dense")
-      if r == len(models) - 1:
-        ax.set_xlabel("workers P")
-  axes[0, 0].legend(fontsize=7)
-  fig.suptitle(f"Predicted speedup over dense all-reduce, density {density:g} "
-               "(compute measured, network modelled)", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def load_profiles(paths):
-  """(profiles, what was measured in each: file, source, forward and backward seconds)."""
-  from dlgs_jax.planning.timeline import Profile
-
-  profiles, measured = [], {}
-  for path in paths:
-    profile = Profile.load(path)
-    profiles.append(profile)
-    measured[profile.model] = {"file": str(path), "source": profile.source,
-                               "t_forward": profile.t_forward,
-                               "t_backward": sum(profile.t_backward)}
-  return profiles, measured
-
-
-def prepared(args, per: str, note: str = ""):
-  """(bandwidths, the output folder, profiles, what each measured), the measurements printed."""
-  from dlgs_jax.planning import network
-
+  workers = [int(w) for w in args.workers.split(",")]
   bandwidths = [network.parse_bandwidth(b) for b in args.bandwidths.split(",")]
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  profiles, measured = load_profiles(args.profiles)
-  print(f"Measured (per {per}):")
-  for model, m in measured.items():
-    print(f"  {model}: forward {m['t_forward'] * 1e3:.2f} ms, backward "
-          f"{m['t_backward'] * 1e3:.2f} ms{note}; {m['source']}")
-  return bandwidths, out_dir, profiles, measured
-
-
-def main(argv=None) -> int:
-  args = parse_args(argv)
-  from dlgs_jax.planning import scaling
-  from dlgs_jax.planning.timeline import METHODS
-
-  workers = [int(w) for w in args.workers.split(",")]
-  bandwidths, out_dir, profiles, sources = prepared(args, "worker",
-                                                    ", selection costs fitted")
+  profiles, sources = scaling.load_profiles(args.profiles)
+  print("\n".join(scaling.measured_lines(sources, "worker", ", selection costs fitted")))
   predictions = []
   for profile in profiles:
     predictions += scaling.predict(profile, workers=workers, bandwidths=bandwidths,
@@ -138,7 +81,9 @@ def main(argv=None) -> int:
                "predictions": [p.to_dict() for p in predictions]}, f, indent=1)
   (out_dir / f"scaling_{tag}.md").write_text(table + "\n")
   png = out_dir / f"scaling_{tag}.png"
-  plot(predictions, METHODS, png, args.density)
+  figures.speedup_grid(predictions, METHODS, png,
+                       f"Predicted speedup over dense all-reduce, density {args.density:g} "
+                       "(compute measured, network modelled)")
   print(f"\nwrote {json_path}\nwrote {png}")
   return 0
 

@@ -190,3 +190,32 @@ def _node_row(profile, net, label, method, two, dtype, density, local, fast) -> 
                     bandwidth_bits=0.0, t_iter=tl.t_iter, compute=tl.compute,
                     sparsify=tl.sparsify, comm_exposed=tl.comm_exposed, comm_total=tl.comm,
                     groups=len(groups), bytes_sent=float(sent), speedup_vs_dense=1.0)
+
+
+def load_profiles(paths: Iterable) -> tuple[list[Profile], dict[str, dict]]:
+  """The measured profiles a prediction starts from, and what each of them measured.
+
+  Args:
+    paths: profile JSON files (`Profile.save`).
+
+  Returns:
+    ``(profiles, measured)``: the profiles in order, and per model its file,
+    its source, and its forward and whole backward seconds.
+  """
+  profiles, measured = [], {}
+  for path in paths:
+    profile = Profile.load(path)
+    profiles.append(profile)
+    measured[profile.model] = {"file": str(path), "source": profile.source,
+                               "t_forward": profile.t_forward,
+                               "t_backward": sum(profile.t_backward)}
+  return profiles, measured
+
+
+def measured_lines(measured: dict[str, dict], per: str, note: str = "") -> list[str]:
+  """Lines saying what each profile measured, per `per` (a worker, a GPU), for a report."""
+  lines = [f"Measured (per {per}):"]
+  for model, m in measured.items():
+    lines.append(f"  {model}: forward {m['t_forward'] * 1e3:.2f} ms, backward "
+                 f"{m['t_backward'] * 1e3:.2f} ms{note}; {m['source']}")
+  return lines

@@ -60,47 +60,6 @@ def test_bench_cluster_merge_replaces_remeasured_configurations_and_keeps_the_re
   assert "| 1.00 |  | 2.00x |" in table[4]  # no count recorded: empty cell
 
 
-def test_bench_cluster_costs_every_method_as_the_benchmark_runs_it():
-  from dlgs_jax.planning.timeline import MODELLED, LinearCost, Profile
-  bench = load("bench_cluster")
-  profile = Profile(model="m", paths=["head/kernel", "bn/scale", "conv/kernel"],
-                    sizes=[640, 16, 2304], t_forward=0.0, t_backward=[0.0] * 3, workers=4,
-                    sparsify={m: LinearCost(1.0, 0.0) for m in MODELLED}, comm={},
-                    dlgs_exact_fraction=0.6)
-  shapes = {"head/kernel": (64, 10), "bn/scale": (16,), "conv/kernel": (3, 3, 16, 16)}
-  dlgs = bench.method_costs("dlgs", 0.1, profile, shapes)
-  paper = bench.method_costs("dlgs-paper", 0.1, profile, shapes)
-  assert dlgs.exact_fraction == 0.6 and paper.exact_fraction is None  # the fixed schedule
-  assert paper.method == "dlgs" and paper.fixed_collectives == 2
-  assert bench.method_costs("dgc", 0.01, profile, shapes).whole_layers == {1}
-  assert dlgs.whole_layers == frozenset()
-  # The profile's first layer in backward order is the head: dlgs-head sends it whole.
-  assert bench.method_costs("dlgs-head", 0.1, profile, shapes).whole_layers == {0}
-  assert bench.method_costs("lags-head", 0.1, profile, shapes).whole_layers == {0}
-  assert bench.method_costs("dlgs-whole1d", 0.1, profile, shapes).whole_layers == {1}
-  assert bench.method_costs("terngrad", 0.01, profile, shapes).density == 1.0
-  from dlgs_jax.compress.methods import METHODS, VARIANTS
-  assert set(bench.PREDICTABLE) == set(METHODS) | set(VARIANTS)
-
-
-def test_bench_cluster_profiles_the_updates_it_predicts_and_nothing_else():
-  from dlgs_jax.planning.timeline import LinearCost, Profile
-  bench = load("bench_cluster")
-  # Variants are timed as their base method, once, in the model's order.
-  assert bench.profiled_methods(["dlgs-paper", "dense", "lags-head", "dgc", "dlgs"]) == [
-      "dense", "lags", "dlgs", "dgc"]
-  assert bench.profiled_methods(["terngrad"]) == ["terngrad"]
-  profile = Profile(model="m", paths=["conv/kernel"], sizes=[2304], t_forward=0.0,
-                    t_backward=[0.0], workers=4, comm={},
-                    sparsify={m: LinearCost(1e-3, 0.0) for m in ("dense", "dlgs")})
-  bench.require_update_costs(["dense", "dlgs", "dlgs-paper", "dlgs-head"], profile)
-  # Priced without its update, Top-k would be predicted 1 ms too fast here: refused.
-  with pytest.raises(ValueError, match="no update cost for 'topk' \\(it timed dense, dlgs\\)"):
-    bench.method_costs("topk", 0.01, profile, {"conv/kernel": (3, 3, 16, 16)})
-  with pytest.raises(ValueError, match="no update cost for 'lags'"):
-    bench.require_update_costs(["dense", "lags-head"], profile)
-
-
 def test_compare_cluster_refuses_a_profile_without_a_compared_methods_update(tmp_path):
   from dlgs_jax.planning.timeline import LinearCost, Profile
   compare = load("compare_cluster")
@@ -620,8 +579,8 @@ def test_compare_cluster_predicts_each_method_as_the_comparison_ran_it(tmp_path)
   predicted = compare.predictions(payload, profile, shapes, {"dense": plan})
   # A method the model does not know gets no prediction.
   assert set(predicted) == {"dense", "dlgs-paper", "lags"}
-  bench = load("bench_cluster")
-  costs = {name: bench.method_costs(name, 0.1, profile, shapes) for name in predicted}
+  from dlgs_jax.planning.pricing import method_costs
+  costs = {name: method_costs(name, 0.1, profile, shapes) for name in predicted}
   # Dense ran its plan (one message per leaf here); DLGS without one sent one
   # message; LAGS one message per leaf.
   assert predicted["dense"]["t_iter"] == pytest.approx(
@@ -655,34 +614,6 @@ def test_compare_cluster_rejects_a_profile_it_cannot_use(flags, message):
   with pytest.raises(SystemExit) as exc:
     compare.main(flags)
   assert message in str(exc.value.code)
-
-
-@pytest.mark.slow
-def test_bench_sparsify_times_a_warmed_schedule_period_on_fresh_gradients():
-  import jax
-  import jax.numpy as jnp
-
-  import dlgs_jax
-
-  bench = load("bench_sparsify")
-  params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
-            "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
-  period = bench.step_gradients(params, 4)
-  assert len(period) == 4
-  assert not np.array_equal(np.asarray(period[0]["w"]), np.asarray(period[1]["w"]))
-  for rule in (dlgs_jax.FixedReuse(4), dlgs_jax.AdaptedReuse(4)):
-    tx = dlgs_jax.dlgs(0.1, thresholds=rule)
-    run, exact = bench.schedule_period(tx, period, warm_periods=2)
-    # The same state and gradients by hand: two periods, then the timed one.
-    state, update = tx.init(period[0]), None
-    for grads in period * 3:
-      update, state = tx.update(grads, state)
-    np.testing.assert_allclose(np.asarray(run()["w"]), np.asarray(update["w"]), rtol=1e-6)
-    if isinstance(rule, dlgs_jax.FixedReuse):
-      assert exact == 2 / 4  # both leaves exact on the period's first step only
-    else:
-      # b (k = 7) is exact on every step, w at least on the schedule's step.
-      assert 1 + 1 / 4 <= exact <= 2
 
 
 @pytest.mark.slow

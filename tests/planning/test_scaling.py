@@ -158,3 +158,13 @@ def test_node_cli_writes_table_json_and_plot(tmp_path):
   assert len(data["predictions"]) == 2 * len(scaling.NODE_CONFIGS)
   assert data["measured"]["toy"]["source"] == "hand-made"
   assert (tmp_path / "out" / "nodes_local4_density0.01.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profiles_load_with_what_each_measured(tmp_path):
+  small_profile().save(tmp_path / "toy.json")
+  profiles, measured = scaling.load_profiles([tmp_path / "toy.json"])
+  assert [p.model for p in profiles] == ["toy"]
+  assert measured["toy"]["t_backward"] == pytest.approx(sum(small_profile().t_backward))
+  lines = scaling.measured_lines(measured, "GPU", ", fitted")
+  assert lines[0] == "Measured (per GPU):"
+  assert lines[1] == "  toy: forward 2.00 ms, backward 6.80 ms, fitted; hand-made"
