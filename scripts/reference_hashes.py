@@ -3,9 +3,9 @@
 A refactor that must not change results runs this before and after and
 compares the JSON files; a difference names the method whose training changed.
 
-    python experiments/reference_hashes.py --out /tmp/after.json
-    PYTHONPATH=/path/to/old/checkout python experiments/reference_hashes.py --out /tmp/before.json
-    python experiments/reference_hashes.py --compare /tmp/before.json /tmp/after.json
+    python scripts/reference_hashes.py --out /tmp/after.json
+    PYTHONPATH=/path/to/old/checkout python scripts/reference_hashes.py --out /tmp/before.json
+    python scripts/reference_hashes.py --compare /tmp/before.json /tmp/after.json
 
 Every run: SmallCNN on the embedded CIFAR-10 subset, 4 simulated workers,
 density 0.1, 25 steps (two exact threshold steps and the reuse steps between
