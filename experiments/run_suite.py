@@ -5,7 +5,8 @@
     python experiments/run_suite.py --only accuracy,cluster
 
 Each step is the experiment's own entry point run as a subprocess (its command
-is printed first, so any step can be rerun alone). The cluster benchmark needs
+and the section of experiments/README.md it feeds are printed first, so any
+step can be rerun alone). The cluster benchmark needs
 root and iproute2; without them it is skipped with the reason. A failed step
 does not stop the others; the exit status is 1 if any failed.
 """
@@ -33,6 +34,27 @@ STEP_ENV = {"overlap_interleaved": {
 ROOT = HERE.parent
 # The official binary CIFAR-10, beside the repository.
 FULL_CIFAR10 = "../shared/data/cifar-10-batches-bin"
+# The report's section each step feeds, by the start of the step's name; the first
+# that matches counts.
+SECTIONS = (
+    ("accuracy_nodes", 6), ("accuracy", 2), ("budget_share", 2),
+    ("compare", 1), ("in_process", 1), ("cluster_compare", 1),
+    ("predict", 3), ("update_program", 3), ("cluster_overlap", 7), ("cluster_latency", 7),
+    ("cluster", 3),
+    ("sparsify", 4), ("gpu", 4),
+    ("planner", 5),
+    ("nodes", 6), ("scaling", 6),
+    ("overlap", 7),
+    ("ring", 8),
+)
+
+
+def section_of(name: str) -> int:
+  """The number of the section of experiments/README.md that step `name` feeds."""
+  for prefix, section in SECTIONS:
+    if name.startswith(prefix):
+      return section
+  raise KeyError(f"step {name!r} feeds no section of the report; add it to SECTIONS")
 
 
 def compare(model: str, density: float, methods: str, rounds: int, steps: int, *extra: str,
@@ -260,7 +282,8 @@ def main(argv=None) -> int:
         continue
     extra = STEP_ENV.get(name, {})
     prefix = "".join(f"{k}={v} " for k, v in extra.items())
-    print(f"== {name}: {prefix}python {' '.join(step_argv)}", flush=True)
+    print(f"== {name} (report section {section_of(name)}): {prefix}python "
+          f"{' '.join(step_argv)}", flush=True)
     started = time.time()
     status = subprocess.run([sys.executable, *step_argv], cwd=ROOT,
                             env={**os.environ, **extra}).returncode

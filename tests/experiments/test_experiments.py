@@ -435,6 +435,20 @@ def test_the_full_cifar_table_pairs_the_head_run_once_it_has_landed(tmp_path, mo
   assert versus == "dlgs-paper:dlgs,dlgs-paper-head:dlgs-paper" and "head_seed0" in merged
 
 
+def test_every_suite_step_names_a_section_the_report_has(tmp_path):
+  import re
+  suite = load("run_suite")
+  headings = {int(n): title for n, title in re.findall(
+      r"^## (\d+)\. (.+)$", (ROOT / "experiments" / "README.md").read_text(), re.M)}
+  names = [n for n, _ in suite.full_steps()] + [n for n, _ in suite.steps(False, tmp_path)]
+  sections = {name: suite.section_of(name) for name in names}
+  assert set(sections.values()) <= set(headings)
+  assert sections["accuracy_nodes"] == 6 and sections["accuracy_full_table"] == 2
+  assert sections["gpu_check"] == 4 and sections["cluster"] == 3
+  with pytest.raises(KeyError, match="feeds no section"):
+    suite.section_of("bogus")
+
+
 @pytest.mark.slow
 def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   command = [sys.executable, str(ROOT / "experiments" / "run_suite.py"), "--out-dir",
@@ -447,6 +461,7 @@ def test_suite_runs_the_chosen_steps_and_names_unknown_ones(tmp_path):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   assert "| scaling | ok |" in done.stdout and "| ring | ok |" in done.stdout
   assert "| sparsify |" not in done.stdout
+  assert "== ring (report section 8): python -m dlgs_jax.sim.ring" in done.stdout
   assert (tmp_path / "scaling" / "scaling_density0.01.json").exists()
   assert any((tmp_path / "ring").iterdir())
 
