@@ -41,22 +41,6 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def markdown(predictions, labels, local: int) -> str:
-  rows = {}
-  for p in predictions:
-    rows.setdefault((p.model, p.bandwidth_bits, p.workers), {})[p.method] = p
-  head = ("| model | link | nodes x GPUs | "
-          + " | ".join(f"{label} ms (speedup)" for label in labels) + " | best |")
-  lines = [head, "|" + "---|" * (head.count("|") - 1)]
-  for (model, bits, workers), by_label in rows.items():
-    cells = [f"{by_label[x].t_iter * 1e3:.1f} ({by_label[x].speedup_vs_dense:.2f}x)"
-             for x in labels]
-    best = min(by_label.values(), key=lambda x: x.t_iter).method
-    lines.append(f"| {model} | {bits / 1e9:g} Gb/s | {workers // local} x {local} | "
-                 + " | ".join(cells) + f" | {best} |")
-  return "\n".join(lines)
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   from dlgs_jax.planning import network, scaling
@@ -77,7 +61,7 @@ def main(argv=None) -> int:
   labels = [label for label, *_ in scaling.NODE_CONFIGS]
   print(f"Predicted: both links and the iteration times; {args.local} GPUs per node, fast "
         f"link {args.fast_bandwidth / 1e9:g} GB/s, density {args.density:g}.\n")
-  table = markdown(predictions, labels, args.local)
+  table = scaling.speedup_table(predictions, labels, args.local)
   print(table)
   stem = f"nodes_local{args.local}_density{args.density:g}"
   (out_dir / f"{stem}.json").write_text(json.dumps({

@@ -36,23 +36,6 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def markdown(predictions, methods) -> str:
-  rows = {}
-  for p in predictions:
-    rows.setdefault((p.model, p.bandwidth_bits, p.workers), {})[p.method] = p
-  head = ("| model | link | P | dense ms (predicted) | "
-          + " | ".join(f"{m} ms / speedup" for m in methods if m != "dense") + " | best |")
-  lines = [head, "|" + "---|" * (head.count("|") - 1)]
-  for (model, bits, workers), by_method in rows.items():
-    dense = by_method["dense"]
-    cells = [f"{by_method[m].t_iter * 1e3:.2f} / {by_method[m].speedup_vs_dense:.2f}x"
-             for m in methods if m != "dense"]
-    best = min(by_method.values(), key=lambda x: x.t_iter).method
-    lines.append(f"| {model} | {bits / 1e9:g} Gb/s | {workers} | {dense.t_iter * 1e3:.2f} | "
-                 + " | ".join(cells) + f" | {best} |")
-  return "\n".join(lines)
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   from dlgs_jax.planning import network, scaling
@@ -71,7 +54,7 @@ def main(argv=None) -> int:
                                    density=args.density, latency=args.latency)
   print(f"Predicted: communication (alpha-beta, latency {args.latency * 1e6:g} us per step) "
         f"and iteration times; density {args.density:g}.\n")
-  table = markdown(predictions, METHODS)
+  table = scaling.speedup_table(predictions, METHODS)
   print(table)
   tag = f"density{args.density:g}"
   json_path = out_dir / f"scaling_{tag}.json"

@@ -195,12 +195,61 @@ def demo_presets() -> str:
   return "\n".join(lines)
 
 
+METHOD_NAMES = {"dlgs": "DLGS", "gtopk": "gTop-k", "topk": "Top-k", "lags": "LAGS"}
+# The report's rows of the predicted scaling: (model, link in Gbit/s).
+SCALING_ROWS = (("resnet20", 1), ("vgg16", 10), ("resnet50", 10), ("resnet50", 25))
+NODE_ROWS = (("vgg16", 10, 2), ("vgg16", 10, 16), ("resnet50", 10, 16), ("resnet50", 100, 16))
+NODE_COLUMNS = ("dense two-level bf16", "dlgs flat", "dlgs two-level", "gtopk flat")
+
+
+def _by_row(path: Path) -> dict:
+  rows = {}
+  for p in _load(path)["predictions"]:
+    rows.setdefault((p["model"], p["bandwidth_bits"] / 1e9, p["workers"]), {})[p["method"]] = p
+  return rows
+
+
+def predicted_scaling() -> str:
+  """The predicted speedup over dense at P = 4, 16, 64: the fastest method, and DLGS if not it."""
+  rows = _by_row(RESULTS / "scaling" / "scaling_density0.01.json")
+  lines = ["| model | link | P = 4 | P = 16 | P = 64 |", "|---|---|---|---|---|"]
+  for model, gbit in SCALING_ROWS:
+    cells = []
+    for workers in (4, 16, 64):
+      found = rows[(model, gbit, workers)]
+      best = max(found.values(), key=lambda p: p["speedup_vs_dense"])
+      cell = f"{METHOD_NAMES.get(best['method'], best['method'])} {best['speedup_vs_dense']:.2f}x"
+      if best["method"] != "dlgs":
+        cell += f" (DLGS {found['dlgs']['speedup_vs_dense']:.2f}x)"
+      cells.append(cell)
+    lines.append(f"| {MODELS[model].split(' ')[0]} | {gbit:g} Gb/s | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def predicted_nodes() -> str:
+  """Nodes of 8 GPUs: speedup over flat dense of each exchange, the row's fastest in bold."""
+  rows = _by_row(RESULTS / "nodes" / "nodes_local8_density0.01.json")
+  names = [" ".join(METHOD_NAMES.get(w, w) for w in c.split()) for c in NODE_COLUMNS]
+  lines = ["| model | link | nodes x 8 | " + " | ".join(names) + " |",
+           "|---|---|---|" + "---|" * len(NODE_COLUMNS)]
+  for model, gbit, nodes in NODE_ROWS:
+    found = rows[(model, gbit, nodes * 8)]
+    fastest = max(found[c]["speedup_vs_dense"] for c in NODE_COLUMNS)
+    cells = [(f"**{found[c]['speedup_vs_dense']:.2f}x**" if found[c]["speedup_vs_dense"] == fastest
+              else f"{found[c]['speedup_vs_dense']:.2f}x") for c in NODE_COLUMNS]
+    lines.append(f"| {MODELS[model].split(' ')[0]} | {gbit:g} Gb/s | {nodes} | "
+                 + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
     "cluster-speedups": speedups,
     "cluster-speedups-commands": lambda: speedups(commands=True),
     "cluster-report": cluster_report,
+    "predicted-scaling": predicted_scaling,
+    "predicted-nodes": predicted_nodes,
 }
 
 

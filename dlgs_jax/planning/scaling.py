@@ -24,7 +24,7 @@ bandwidth. Everything returned is a prediction.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from dlgs_jax.compress import methods
 from dlgs_jax.planning import planner
@@ -219,3 +219,31 @@ def measured_lines(measured: dict[str, dict], per: str, note: str = "") -> list[
     lines.append(f"  {model}: forward {m['t_forward'] * 1e3:.2f} ms, backward "
                  f"{m['t_backward'] * 1e3:.2f} ms{note}; {m['source']}")
   return lines
+
+
+def speedup_table(predictions: Sequence[Prediction], labels: Sequence[str],
+                  local: Optional[int] = None) -> str:
+  """A markdown table of predictions: per model, link and size, each label's ms and speedup.
+
+  Args:
+    predictions: from `predict` or `predict_nodes` (a prediction's `method` is its label).
+    labels: the columns, in order (dense's speedup is 1 by definition).
+    local: GPUs per node: sizes are written ``nodes x GPUs``; None: as P workers.
+
+  Returns:
+    The table's lines joined, the fastest label of each row in its last column.
+  """
+  rows = {}
+  for p in predictions:
+    rows.setdefault((p.model, p.bandwidth_bits, p.workers), {})[p.method] = p
+  head = (f"| model | link | {'P' if local is None else 'nodes x GPUs'} | "
+          + " | ".join(f"{label} ms / speedup" for label in labels) + " | best |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  for (model, bits, workers), by_label in rows.items():
+    size = workers if local is None else f"{workers // local} x {local}"
+    cells = [f"{by_label[x].t_iter * 1e3:.2f} / {by_label[x].speedup_vs_dense:.2f}x"
+             for x in labels]
+    best = min(by_label.values(), key=lambda x: x.t_iter).method
+    lines.append(f"| {model} | {bits / 1e9:g} Gb/s | {size} | " + " | ".join(cells)
+                 + f" | {best} |")
+  return "\n".join(lines)
