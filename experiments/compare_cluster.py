@@ -1,9 +1,9 @@
 """Which method is faster, measured as a paired comparison on the emulated cluster.
 
-`bench_cluster.py` runs each method as its own job, minutes apart; on a machine
-whose speed drifts (this project's VMs: the same program's median differs by up
-to 28% between runs) a few percent between two such jobs is not a measured
-difference. This script runs `dlgs_jax.cli.benchmark --compare` once on the
+`bench_cluster.py` profiles the cluster, plans each method and times it as its
+own job, minutes apart: what the timeline model is checked against. On a machine
+whose speed drifts, a few percent between two such jobs is not a measured
+difference, so which method is faster is measured here: this script runs `dlgs_jax.cli.benchmark --compare` once on the
 cluster's workers: every method's train step is compiled in the same job and
 timed in interleaved rounds (``--steps`` steps of each method per round, the
 order rotated each round). Per round, each method's median step gives a paired
