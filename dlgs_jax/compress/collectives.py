@@ -131,14 +131,16 @@ def gather_replicated(x: jax.Array, axis_name: AxisName) -> jax.Array:
   return gather(x, axes)
 
 
-def _pack(values: jax.Array, indices: jax.Array) -> jax.Array:
+def pack_pairs(values: jax.Array, indices: jax.Array) -> jax.Array:
+  """(value, index) pairs as one float32 message: the values, then the indices' bits."""
   return jnp.concatenate([
       values.astype(jnp.float32),
       lax.bitcast_convert_type(indices.astype(jnp.int32), jnp.float32),
   ], axis=-1)
 
 
-def _unpack(message: jax.Array) -> tuple[jax.Array, jax.Array]:
+def unpack_pairs(message: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The (values, indices) of a `pack_pairs` message (along its last axis)."""
   half = message.shape[-1] // 2
   values = message[..., :half]
   indices = lax.bitcast_convert_type(message[..., half:], jnp.int32)
@@ -237,7 +239,7 @@ def sparse_allgather_means(
         gather_replicated(_pack_half(values, indices), axis_name))
     num = num_workers(axis_name)
   else:
-    rows_values, rows_indices = _unpack(gather_replicated(_pack(values, indices), axis_name))
+    rows_values, rows_indices = unpack_pairs(gather_replicated(pack_pairs(values, indices), axis_name))
     num = num_workers(axis_name)
   starts = list(itertools.accumulate([0] + slots[:-1]))
   rows_values = rows_values / num  # exact for P a power of two
@@ -334,7 +336,7 @@ def gtopk_indices(
   extra = p - p2
 
   def exchange(v, i, perm, receives):
-    got_v, got_i = _unpack(partial_permute(_pack(v, i), axis_name, perm))
+    got_v, got_i = unpack_pairs(partial_permute(pack_pairs(v, i), axis_name, perm))
     # ppermute gives zeros to workers outside `perm`; turn those into padding.
     got_i = jnp.where(receives, got_i, size)
     got_v = jnp.where(receives, got_v, 0.0)

@@ -57,8 +57,9 @@ def check_sparse_wire(dtype, collective: str) -> str:
   dtype = wire.check_wire_dtype(dtype)
   if dtype == "bfloat16" and collective != "allgather":
     raise ValueError(f"wire_dtype 'bfloat16' works with the all-gather, not collective "
-                     f"{collective!r}: gTop-k's all-reduce sums on the wire, and the rounding "
-                     f"of that sum could not be kept in any worker's residual")
+                     f"{collective!r}: its sums are formed on the way (gTop-k's all-reduce, "
+                     f"the owners' regions), and their rounding could not be kept in any "
+                     f"worker's residual; use wire_dtype='float32'")
   return dtype
 
 

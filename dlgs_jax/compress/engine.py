@@ -27,7 +27,7 @@ from dlgs_jax.compress import segmented
 from dlgs_jax.compress import selection
 
 SELECTIONS = ("threshold", "layer_topk", "group_topk")
-SPARSE_COLLECTIVES = ("allgather", "gtopk")
+SPARSE_COLLECTIVES = ("allgather", "gtopk", "owners")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,10 +435,7 @@ def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
     proposal = propose(select, layout, group, flat, previous)
     positions, passed = segmented.compact(segmented.pack(flat, proposal, segs), segs, capacities)
     return Picked(positions, passed, proposal)
-  found = segmented.exact_thresholds(flat, segs, ks, select.whole(layout, group))
-  at_or_above = segmented.pack(flat, found, segs)
-  above = segmented.pack(flat, jnp.nextafter(found, jnp.inf), segs)
-  positions, passed = segmented.compact_top(above, at_or_above & ~above, segs, capacities)
+  positions, passed = segmented.top(flat, segs, ks, capacities, select.whole(layout, group))
   return Picked(positions, passed, None)
 
 

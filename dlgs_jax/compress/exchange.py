@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from dlgs_jax.compress import collectives, common, engine, selection, wire
+from dlgs_jax.compress import collectives, common, engine, owners, selection, wire
 from dlgs_jax.compress.engine import Layout, Selection, concat_flat, split_flat
 
 
@@ -57,7 +57,7 @@ def sparse_exchange(
   Args:
     layout: the static layout.
     select: the selection rule.
-    collective: "allgather" or "gtopk".
+    collective: "allgather", "gtopk" or "owners" (`owners.owners_mean`).
     accumulated: per group, g = residual + gradient laid out in its buffer (float32).
     picked: per group, what `engine.pick` chose.
     axis_name: the data-parallel axis.
@@ -86,6 +86,13 @@ def sparse_exchange(
       count = jnp.sum(jnp.minimum(chosen.passed,
                                   jnp.asarray(select.capacities(layout, group), jnp.int32)))
       bytes_out = bytes_in = wire.allgather_bytes(positions.shape[0], workers, wire_dtype)
+    elif collective == "owners":
+      k = select.group_k(layout, group)
+      mean, sent = owners.owners_mean(flat, values, positions, k, axis_name=axis_name,
+                                      apply=applied)
+      kept = jnp.zeros((), jnp.float32)
+      count = selection.count_valid(sent, length)
+      bytes_out = bytes_in = wire.owners_bytes(positions.shape[0], k, workers)
     else:
       k = select.group_k(layout, group)
       mean, sent = collectives.gtopk_mean(flat, values, positions, k, axis_name=axis_name,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -299,6 +299,26 @@ def compact_top(above: jax.Array, ties: jax.Array, segs: Segments, capacities: S
   taken_here = _repeat(jnp.minimum(taken, jnp.asarray(capacities, jnp.int32)), capacities)
   from_second = jnp.maximum(slot_start + local - taken_here, 0)
   return jnp.where(local < taken_here, first, second[from_second]), taken + tied
+
+
+def top(flat: jax.Array, segs: Segments, ks: Sequence[int], capacities: Sequence[int],
+        whole: Optional[Sequence[bool]] = None) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k of every segment into its slots: the k-th largest found, then `compact_top`.
+
+  Args:
+    flat: float32 buffer laid out as `segs`.
+    segs: the layout.
+    ks: k of each segment.
+    capacities: slots of each segment (k each, or the segment whole).
+    whole: per segment, whether it is sent whole (threshold 0); None: none.
+
+  Returns:
+    ``(positions, passed)`` as `compact`.
+  """
+  found = exact_thresholds(flat, segs, ks, [False] * len(ks) if whole is None else whole)
+  at_or_above = pack(flat, found, segs)
+  above = pack(flat, jnp.nextafter(found, jnp.inf), segs)
+  return compact_top(above, at_or_above & ~above, segs, capacities)
 
 
 def local_indices(positions: jax.Array, segs: Segments, capacities: Sequence[int]

@@ -187,8 +187,11 @@ def dlgs(
       the classifier head (`grouping.output_layer`), which a per-layer budget
       starves, or biases and norms (``lambda p: jax.tree.map(lambda x: x.ndim
       < 2, p)``, as DGC does). None (the paper): every leaf is sparsified.
-    collective: "allgather" (all-gather pairs, scatter-add, divide by P) or
-      "gtopk" (gTop-k reduction per group, keeping sum_l k_l values globally).
+    collective: "allgather" (all-gather pairs, scatter-add, divide by P:
+      (P-1)·8k bytes a worker), "gtopk" (gTop-k reduction per group, keeping
+      sum_l k_l values globally) or "owners" (pairs summed at the owners of
+      hashed regions, each keeping its share of sum_l k_l, then all-gathered:
+      bytes flat in P; `owners`).
     capacity_factor: buffer size per leaf in units of k_l (>= 1).
     skip_nonfinite: skip steps with non-finite gradients (module docstring).
     residual_dtype: dtype of the error-feedback residuals of floating leaves
@@ -196,8 +199,8 @@ def dlgs(
       away the small values they exist to keep).
     wire_dtype: dtype of the values in the all-gather's messages: "float32"
       (8-byte pairs) or "bfloat16" (6-byte pairs; what rounding a sent value
-      loses stays in the sender's residual). Not with ``collective="gtopk"``,
-      whose all-reduce sums on the wire.
+      loses stays in the sender's residual). Only with the all-gather: the
+      other collectives form sums on the way.
 
   Returns:
     An `optax.GradientTransformation` with state `DLGSState`.
@@ -255,21 +258,29 @@ def _global_topk(density, collective: str, axis_name, skip_nonfinite: bool, resi
   """One top-k over all leaves sent by `collective` (Top-k and gTop-k)."""
   return _sparse_transform(
       engine.Selection("group_topk", common.check_density(density)), collective,
-      method="topk" if collective == "allgather" else "gtopk", axis_name=axis_name,
+      method="gtopk" if collective == "gtopk" else "topk", axis_name=axis_name,
       groups=None, order=None, single_group=True,
       skip_nonfinite=skip_nonfinite, residual_dtype=residual_dtype, wire_dtype=wire_dtype)
 
 
+TOPK_COLLECTIVES = ("allgather", "owners")
+
+
 def topk(
-    density: float, *, axis_name=None, skip_nonfinite: bool = True, residual_dtype="float32",
-    wire_dtype="float32",
+    density: float, *, axis_name=None, collective: str = "allgather",
+    skip_nonfinite: bool = True, residual_dtype="float32", wire_dtype="float32",
 ) -> optax.GradientTransformation:
   """Top-k S-SGD: one global top-k over all leaves, all-gathered (O(kP) traffic).
 
   ``k = max(1, ceil(density * total_size))``; unsent values stay in the
-  residuals; `wire_dtype` as in `dlgs`. State `SparseState`.
+  residuals; `wire_dtype` as in `dlgs`. With ``collective="owners"`` the
+  workers' top-k are summed at the owners of hashed regions, each keeping its
+  share of k, so the bytes do not grow with P (`owners`). State `SparseState`.
   """
-  return _global_topk(density, "allgather", axis_name, skip_nonfinite, residual_dtype,
+  if collective not in TOPK_COLLECTIVES:
+    raise ValueError(f"topk's collective must be one of {TOPK_COLLECTIVES}, got "
+                     f"{collective!r}; for gTop-k's reduction use gtopk()")
+  return _global_topk(density, collective, axis_name, skip_nonfinite, residual_dtype,
                       wire_dtype)
 
 

@@ -10,6 +10,8 @@ bfloat16 values on the wire).
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 PAIR_BYTES = 8  # float32 value + int32 index
@@ -17,6 +19,10 @@ HALF_PAIR_BYTES = 6  # bfloat16 value + int32 index (``wire_dtype="bfloat16"``)
 
 
 WIRE_DTYPES = ("float32", "bfloat16")
+# Owners' slots over an even share of a message (`owners`): a hash spreads a
+# message's pairs over P owners about evenly, and what a full owner's slots
+# cannot take waits in the residual for a later step.
+OWNER_SLACK = 2.0
 
 
 def check_wire_dtype(dtype) -> str:
@@ -89,6 +95,34 @@ def gtopk_bytes(k: int, workers: int, rank=None):
   received = (jnp.where(in_doubling, rounds * message, 4 * k)
               + jnp.where(helps_extra, message, 0) + reduce)
   return sent.astype(jnp.float32), received.astype(jnp.float32)
+
+
+def owner_slots(pairs: int, workers: int) -> int:
+  """Slots each owner gets in one worker's all-to-all message of `pairs` selected pairs."""
+  return max(1, math.ceil(OWNER_SLACK * pairs / workers))
+
+
+def owner_share(k: int, workers: int) -> int:
+  """Positions each owner keeps of a group's global k (its region's share)."""
+  return max(1, math.ceil(k / workers))
+
+
+def owners_bytes(pairs: int, k: int, workers: int) -> float:
+  """Bytes sent (= received) per worker by `owners.owners_mean`: flat in P.
+
+  Args:
+    pairs: the pairs a worker selects (its message's slots).
+    k: the group's global k.
+    workers: P.
+
+  Returns:
+    The all-to-all's ``(P-1)·S`` pairs (S slots per owner) plus the all-gather
+    of every owner's ``ceil(k/P)``: about ``8·(2·pairs + k)``.
+  """
+  if workers <= 1:
+    return 0.0
+  return (float((workers - 1) * owner_slots(pairs, workers) * PAIR_BYTES)
+          + allgather_bytes(owner_share(k, workers), workers))
 
 
 def packed_allgather_bytes(num_bytes: int, workers: int) -> float:

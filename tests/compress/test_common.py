@@ -16,6 +16,7 @@ BUILDERS = {
     "gtopk": lambda axis: dlgs_jax.gtopk(0.25, axis_name=axis),
     "lags": lambda axis: dlgs_jax.lags(0.25, axis_name=axis),
     "dlgs": lambda axis: dlgs_jax.dlgs(0.25, axis_name=axis),
+    "dlgs-owners": lambda axis: dlgs_jax.dlgs(0.25, axis_name=axis, collective="owners"),
     "dgc": lambda axis: dlgs_jax.dgc(0.25, axis_name=axis, min_ndim=1),
     "terngrad": lambda axis: dlgs_jax.terngrad(axis_name=axis),
 }

@@ -23,6 +23,7 @@ TRANSFORMS = {
     "dlgs": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis, thresholds=dlgs_jax.AdaptedReuse(2)),
     "dlgs-paper": lambda axis: dlgs_jax.dlgs(0.1, axis_name=axis,
                                              thresholds=dlgs_jax.FixedReuse(2)),
+    "topk-owners": lambda axis: dlgs_jax.topk(0.1, axis_name=axis, collective="owners"),
 }
 
 

@@ -1,0 +1,124 @@
+"""The owners' sparse all-reduce: a NumPy reference, nothing lost, bytes flat in P."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dlgs_jax
+from dlgs_jax.compress import owners, wire
+
+
+def reference(flat, positions, values, k):
+  """The same algorithm in NumPy, owner by owner: ``(mean, sent)`` as `owners.owners_mean`."""
+  workers, size = flat.shape
+  slots, share = wire.owner_slots(positions.shape[1], workers), wire.owner_share(k, workers)
+  owner = np.asarray(owners.owner_of(jnp.asarray(positions), workers))
+  inbox = [[] for _ in range(workers)]
+  in_slot = np.zeros(positions.shape, bool)
+  for w in range(workers):
+    filled = np.zeros(workers, int)
+    for j, position in enumerate(positions[w]):
+      o = owner[w, j]
+      if position < size and filled[o] < slots:
+        inbox[o].append((position, np.float32(values[w, j]) / np.float32(workers)))
+        filled[o] += 1
+        in_slot[w, j] = True
+  mean, final = np.zeros(size, np.float64), set()
+  for received in inbox:
+    sums = {}
+    for position, value in received:  # first arrival first: ties keep that order
+      sums[position] = sums.get(position, 0.0) + float(value)
+    for position in sorted(sums, key=lambda p: -abs(sums[p]))[:share]:
+      mean[position] = sums[position]
+      final.add(position)
+  sent = np.where(in_slot & np.isin(positions, list(final)), positions, size)
+  return mean, sent
+
+
+def messages(workers, size, pairs, seed):
+  """Per worker: g, and `pairs` distinct positions of it (some sentinels), as a selection gives."""
+  rng = np.random.default_rng(seed)
+  flat = rng.standard_normal((workers, size)).astype(np.float32)
+  positions = np.stack([rng.choice(size, pairs, replace=False) for _ in range(workers)])
+  positions[:, -3:] = size  # unused slots
+  values = np.take_along_axis(flat, np.minimum(positions, size - 1), 1) * (positions < size)
+  return flat, positions.astype(np.int32), values.astype(np.float32)
+
+
+@pytest.mark.parametrize("workers", [1, 4, 16])
+def test_the_mean_and_what_each_worker_sent_match_the_numpy_reference(workers):
+  size, pairs, k = 512, 40, 64
+  flat, positions, values = messages(workers, size, pairs, seed=workers)
+  run = jax.jit(jax.vmap(lambda f, v, p: owners.owners_mean(f, v, p, k, axis_name="w"),
+                         axis_name="w"))
+  mean, sent = run(jnp.asarray(flat), jnp.asarray(values), jnp.asarray(positions))
+  want_mean, want_sent = reference(flat, positions, values, k)
+  for w in range(workers):
+    np.testing.assert_allclose(np.asarray(mean[w]), want_mean, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(sent), want_sent)
+  # At most k positions in all, each owner's share.
+  assert np.count_nonzero(want_mean) <= workers * wire.owner_share(k, workers)
+  # What left the residuals is what the mean holds: P * mean == sum of the values sent.
+  removed = np.zeros(size)
+  for w in range(workers):
+    mask = want_sent[w] < size
+    np.add.at(removed, want_sent[w][mask], values[w][mask])
+  np.testing.assert_allclose(workers * np.asarray(mean[0]), removed, rtol=1e-5, atol=1e-6)
+
+
+def test_one_worker_keeps_its_top_share_and_sends_to_itself():
+  flat, positions, values = messages(1, 256, 20, seed=3)
+  mean, sent = owners.owners_mean(jnp.asarray(flat[0]), jnp.asarray(values[0]),
+                                  jnp.asarray(positions[0]), 5, axis_name=None)
+  top = np.argsort(-np.abs(values[0]))[:5]
+  assert set(np.asarray(sent)[np.asarray(sent) < 256]) == set(positions[0][top])
+  np.testing.assert_array_equal(np.asarray(mean)[positions[0][top]], values[0][top])
+
+
+@pytest.mark.parametrize("stride", [1, 64, 233])
+def test_owners_share_any_stride_of_positions_evenly(stride):
+  for workers in (4, 16):
+    owner = np.asarray(owners.owner_of(jnp.arange(0, stride * 16384, stride, dtype=jnp.int32),
+                                       workers))
+    counts = np.bincount(owner, minlength=workers)
+    assert counts.min() > 0.85 * counts.mean() and counts.max() < 1.15 * counts.mean()
+
+
+PARAMS = {"conv": jnp.zeros((3, 3, 32, 64)), "dense": jnp.zeros((2048, 16)),
+          "bias": jnp.zeros((16,))}
+
+
+@pytest.mark.slow
+def test_bytes_stay_flat_from_16_to_256_workers_with_nothing_lost():
+  sent = {}
+  rng = np.random.default_rng(0)
+  for workers in (4, 16, 64, 256):
+    tx = dlgs_jax.topk(0.1, axis_name="w", collective="owners")
+    state = jax.vmap(lambda _: tx.init(PARAMS), axis_name="w")(jnp.arange(workers))
+    grads = {name: jnp.asarray(rng.standard_normal((workers, *x.shape)), jnp.float32)
+             for name, x in PARAMS.items()}
+    update, new = jax.jit(jax.vmap(tx.update, axis_name="w"))(grads, state)
+    leaves = jax.tree_util.tree_leaves(update)
+    # Every worker applies the same update.
+    assert all(np.array_equal(np.asarray(x)[0], np.asarray(x)[-1]) for x in leaves)
+    # P * update + the new residuals hold all the gradients held.
+    total = workers * sum(float(np.asarray(x)[0].sum()) for x in leaves)
+    total += sum(float(np.asarray(r).sum()) for r in new.residuals)
+    assert total == pytest.approx(sum(float(np.asarray(g).sum()) for g in grads.values()),
+                                  rel=1e-4, abs=1e-2)
+    sent[workers] = float(np.asarray(new.stats.bytes_sent)[0])
+    k = int(np.ceil(0.1 * sum(x.size for x in PARAMS.values())))
+    assert sent[workers] == wire.owners_bytes(k, k, workers)
+  flat = [sent[w] for w in (16, 64, 256)]
+  assert max(flat) / min(flat) < 1.10
+  # The all-gather it replaces grows with P: 16x the bytes from 16 to 256 workers.
+  assert wire.allgather_bytes(6554, 256) / wire.allgather_bytes(6554, 16) == 17
+
+
+def test_bad_collectives_are_refused_with_the_fix():
+  with pytest.raises(ValueError, match=r"topk's collective must be one of .* got 'gtopk'; "
+                     r"for gTop-k's reduction use gtopk\(\)"):
+    dlgs_jax.topk(0.1, collective="gtopk")
+  with pytest.raises(ValueError, match="not collective 'owners'.*use wire_dtype='float32'"):
+    dlgs_jax.dlgs(0.1, collective="owners", wire_dtype="bfloat16")
