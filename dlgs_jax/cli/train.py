@@ -94,7 +94,7 @@ FLAGS = (
     Flag("--send-whole", _M, "send_whole", "lags/dlgs: leaves sent whole, comma-separated leaf "
          "paths, or 'head' for the output layer; '': none (the paper)", parse_names,
          format=",".join),
-    Flag("--collective", _M, "collective", "lags/dlgs collective: allgather or gtopk"),
+    Flag("--collective", _M, "collective", "topk/lags/dlgs collective: allgather, owners (bytes flat in the workers) or (lags/dlgs) gtopk"),
     Flag("--wire-dtype", _M, "wire_dtype", "dense/topk/lags/dlgs: the values' dtype on the "
          "wire, float32 or bfloat16 (dense: a bf16 all-reduce; sparse: 6-byte pairs, the "
          "rounding kept in the residuals)"),

@@ -52,7 +52,8 @@ class MethodConfig:
     min_ndim: LAGS/DLGS: leaves with fewer dimensions are sent whole.
     send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
       layer (found from the backward order).
-    collective: LAGS/DLGS: ``"allgather"`` or ``"gtopk"``.
+    collective: Top-k, LAGS, DLGS: ``"allgather"``, ``"owners"`` (bytes flat in
+      the workers, `compress.owners`) or (LAGS, DLGS) ``"gtopk"``.
     dgc_warmup_epochs: DGC: epochs of exponential density warm-up.
     terngrad_clip: TernGrad: clip at this many standard deviations (0: none).
     wire_dtype: dense, Top-k, LAGS, DLGS: the values' dtype on the wire,
@@ -98,6 +99,12 @@ class MethodConfig:
     if self.collective not in engine.SPARSE_COLLECTIVES:
       raise ConfigError("collective", self.collective,
                         f"choose {' or '.join(engine.SPARSE_COLLECTIVES)}")
+    if self.collective != "allgather" and "collective" not in self.spec.options:
+      raise ConfigError("collective", self.collective,
+                        f"applies to {', '.join(names(collective=True))}, not {self.name}")
+    if self.collective == "gtopk" and not self.spec.layer_wise:
+      raise ConfigError("collective", self.collective,
+                        f"{self.name} sends one global top-k: for gTop-k's reduction run gtopk")
     _check_number("dgc_warmup_epochs", self.dgc_warmup_epochs, 0.0, math.inf)
     _check_number("terngrad_clip", self.terngrad_clip, 0.0, math.inf)
     if self.wire_dtype not in wire.WIRE_DTYPES:
@@ -105,9 +112,9 @@ class MethodConfig:
     if self.wire_dtype != "float32" and "wire_dtype" not in self.spec.options:
       raise ConfigError("wire_dtype", self.wire_dtype,
                         f"applies to {', '.join(names(wire_dtype=True))}, not {self.name}")
-    if self.wire_dtype != "float32" and self.collective != "allgather" and self.spec.layer_wise:
+    if self.wire_dtype != "float32" and self.collective != "allgather":
       raise ConfigError("wire_dtype", self.wire_dtype,
-                        "needs the all-gather: gTop-k's all-reduce sums on the wire")
+                        f"needs the all-gather: collective {self.collective!r} sums on the way")
     layer_wise = self.spec.layer_wise
     if self.min_ndim and not layer_wise:
       raise ConfigError("min_ndim", self.min_ndim, f"applies to lags and dlgs, not {self.name}")
@@ -287,7 +294,8 @@ def _build_dense(c: MethodConfig, ctx: _BuildContext):
 
 
 def _build_topk(c: MethodConfig, ctx: _BuildContext):
-  return topk(c.density, axis_name=ctx.axis_name, wire_dtype=c.wire_dtype)
+  return topk(c.density, axis_name=ctx.axis_name, collective=c.collective,
+              wire_dtype=c.wire_dtype)
 
 
 def _build_gtopk(c: MethodConfig, ctx: _BuildContext):
@@ -340,7 +348,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            options=("wire_dtype",), takes_groups=True, grouping="optimal", collective="allreduce",
            message_bytes=lambda size, k, workers: wire.allreduce_bytes(size, workers)),
     Method("topk", "global top-k of all leaves, all-gathered", _build_topk,
-           options=("density", "wire_dtype")),
+           options=("density", "wire_dtype", "collective")),
     Method("lags", "exact top-k per leaf every step (LAGS)", _build_lags, takes_groups=True,
            options=_LAYER_WISE, per_leaf_update=True, whole_layers=True, grouping="wfbp"),
     Method("gtopk", "global top-k of the sum in log2 P pairwise rounds", _build_gtopk,
@@ -370,6 +378,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("dlgs-paper-head", "dlgs", {"refresh_below": None, "send_whole": ("head",)},
             "the paper's fixed threshold schedule, the classifier head sent whole"),
     Variant("lags-head", "lags", {"send_whole": ("head",)}, "the classifier head sent whole"),
+    Variant("dlgs-owners", "dlgs", {"collective": "owners"},
+            "summed at the owners of hashed regions: bytes flat in the workers"),
+    Variant("topk-owners", "topk", {"collective": "owners"},
+            "summed at the owners of hashed regions: bytes flat in the workers"),
 )}
 
 
@@ -406,17 +418,18 @@ def method_config(name: str, **options) -> MethodConfig:
 
 def names(*, planner_prices: Optional[bool] = None, modelled: Optional[bool] = None,
           uses_density: Optional[bool] = None, takes_groups: Optional[bool] = None,
-          wire_dtype: Optional[bool] = None) -> tuple:
+          wire_dtype: Optional[bool] = None, collective: Optional[bool] = None) -> tuple:
   """Method names whose declared properties match every given value, in table order.
 
-  ``wire_dtype=True``: the methods that take the option of that name.
+  ``wire_dtype=True``, ``collective=True``: the methods that take the option of that name.
   """
   wanted = {k: v for k, v in dict(planner_prices=planner_prices, modelled=modelled,
                                   uses_density=uses_density, takes_groups=takes_groups).items()
             if v is not None}
   return tuple(m.name for m in METHODS.values()
                if all(getattr(m, k) == v for k, v in wanted.items())
-               and (wire_dtype is None or ("wire_dtype" in m.options) == wire_dtype))
+               and (wire_dtype is None or ("wire_dtype" in m.options) == wire_dtype)
+               and (collective is None or ("collective" in m.options) == collective))
 
 
 def configurations(methods: Sequence[str], densities: Sequence[float],
