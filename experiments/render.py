@@ -24,7 +24,7 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
 # The Markdown files that hold rendered tables.
-FILES = ("README.md", "docs/results.md", "experiments/README.md")
+FILES = ("README.md", "docs/results.md", "docs/choosing.md", "experiments/README.md")
 BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 MODELS = {"resnet50": "ResNet-50 (32x32)", "vgg16": "VGG16", "resnet20": "ResNet-20"}
@@ -242,6 +242,16 @@ def predicted_nodes() -> str:
   return "\n".join(lines)
 
 
+def owners_crossover() -> str:
+  """Each exchange's ms for one VGG16 message at 0.01 on 10 Gbit/s, by P (`planning.choice`)."""
+  from dlgs_jax.planning import choice  # pylint: disable=g-import-not-at-top
+  from dlgs_jax.workload import models  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  size = sum(int(x.size) for x in jax.tree_util.tree_leaves(models.param_shapes("vgg16")))
+  return choice.crossover_table(size, 0.01, (4, 16, 64, 256), (10e9,), 25e-6)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -250,6 +260,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cluster-report": cluster_report,
     "predicted-scaling": predicted_scaling,
     "predicted-nodes": predicted_nodes,
+    "owners-crossover": owners_crossover,
 }
 
 

@@ -24,6 +24,10 @@ def parse_args(argv=None):
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--method", default="dlgs", help="method the plan is for (dlgs, lags, dense)")
   parser.add_argument("--planner", default="optimal", help="planner whose plan is written")
+  parser.add_argument("--collective", default="allgather",
+                      help="topk/lags/dlgs: allgather, gtopk, owners, or auto: the exchange "
+                      "the network prices fastest (dense bfloat16 among them), written to "
+                      "<model>_<method>_<density>_collective.json")
   parser.add_argument("--profile", help="load this profile JSON instead of measuring")
   parser.add_argument("--bandwidth", help="model the network instead: link bandwidth, e.g. 1gbit")
   parser.add_argument("--latency", type=float, default=25e-6, help="per-step latency (s) with --bandwidth")
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
     paths = plan_job.run(config, progress=lambda line: print(line, flush=True))
   except plan_job.PlanJobError as e:
     raise SystemExit(str(e)) from None
-  print(f"\nwrote {paths['plan']}\nwrote {paths['chart']}")
+  print("".join(f"\nwrote {path}" for path in paths.values()))
   return 0
 
 

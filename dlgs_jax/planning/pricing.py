@@ -65,7 +65,9 @@ def method_costs(method: str, density: float, profile, shapes) -> MethodCosts:
   return MethodCosts(base, 1.0 if density_free(base) else density,
                      fixed_collectives=FIXED_COLLECTIVES,
                      exact_fraction=planner.dlgs_exact_fraction(profile, base, config.refresh_below),
-                     whole_layers=config.whole_layers(profile.paths, shapes))
+                     whole_layers=config.whole_layers(profile.paths, shapes),
+                     collective=(config.collective if "collective" in config.spec.options
+                                 else None))
 
 
 def profiled_methods(methods) -> list[str]:

@@ -188,6 +188,8 @@ class MethodCosts:
       reduce-scatter and all-gather of the whole message inside the node cost
       `fast_link` on the ring's bytes.
     fast_link: α-β cost of bytes on the fast link inside a node (with `fast_size`).
+    collective: the sparse collective a method that takes one sends with
+      (``"allgather"``, ``"gtopk"``, ``"owners"``); None: the method's own.
   """
   method: str
   density: float
@@ -197,6 +199,7 @@ class MethodCosts:
   wire_dtype: str = "float32"
   fast_size: int = 1
   fast_link: Optional[LinearCost] = None
+  collective: Optional[str] = None
 
   def __post_init__(self):
     if self.method not in MODELLED:
@@ -215,9 +218,19 @@ class MethodCosts:
       raise ValueError(f"fast_size must be an integer >= 1, got {self.fast_size!r}")
     if self.fast_size > 1 and self.fast_link is None:
       raise ValueError("a two-level exchange (fast_size > 1) needs its fast_link cost")
+    if self.collective is not None and self.collective != methods.METHODS[self.method].collective:
+      if "collective" not in methods.METHODS[self.method].options:
+        raise ValueError(f"collective applies to {methods.names(collective=True)}, not "
+                         f"{self.method!r}")
+      methods.MethodConfig(self.method, collective=self.collective).validate()
     if self.whole_layers and self.method not in WHOLE_LAYER_METHODS:
       raise ValueError(
           f"whole_layers applies to {WHOLE_LAYER_METHODS} only, not {self.method!r}")
+
+  @property
+  def kind(self) -> str:
+    """The collective its messages go by: `collective`, else the method's own."""
+    return self.collective or methods.METHODS[self.method].collective
 
   def sliced(self, size: int) -> int:
     """Values of a message of `size` one device handles: all, or its 1/L slice."""
@@ -253,9 +266,15 @@ class MethodCosts:
       raise ValueError(f"{self.method!r} sends no whole layers inside a message")
     if whole > 0:
       k = selection.num_to_keep(self.density, size) if size > 0 else 0
+      if self.kind == "owners":
+        return wire.owners_bytes(k + whole, k + whole, p)
       return wire.allgather_bytes(k + whole, p, self.wire_dtype)
     if size <= 0:
       return 0.0
+    if self.kind in ("owners", "gtopk") and self.collective is not None:
+      k = selection.num_to_keep(self.density, size)
+      return (wire.owners_bytes(k, k, p) if self.kind == "owners"
+              else wire.gtopk_bytes(k, p)[0])
     return (spec.message_bytes(size, selection.num_to_keep(self.density, size), p)
             * wire.value_scale(spec.collective, self.wire_dtype))
 
@@ -267,8 +286,7 @@ class MethodCosts:
             if self.fast_size > 1 else 0.0)
     if profile.workers <= 1:
       return fast
-    kind = methods.METHODS[self.method].collective
-    return fast + _collective(profile, kind)(self.comm_bytes(profile, size, whole))
+    return fast + _collective(profile, self.kind)(self.comm_bytes(profile, size, whole))
 
   def in_message(self, layer: int) -> bool:
     """Whether `layer` is sent whole inside its group's message (LAGS/DLGS)."""

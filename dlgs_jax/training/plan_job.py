@@ -9,11 +9,13 @@ plan, profile and Gantt chart written to ``out_dir``.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Optional
 
+from dlgs_jax.compress import engine, methods
 from dlgs_jax.compress.methods import ConfigError, MethodConfig
-from dlgs_jax.planning import network, planner, timeline
+from dlgs_jax.planning import choice, network, planner, timeline
 from dlgs_jax.planning.timeline import MethodCosts, Profile, simulate
 
 
@@ -30,6 +32,10 @@ class PlanConfig:
     density: fraction of values sent.
     method: the method planned for (one of `timeline.METHODS`).
     planner: the planner whose plan is written (one of `planner.PLANNERS`).
+    collective: Top-k, LAGS, DLGS: the sparse exchange priced ("allgather",
+      "gtopk", "owners"), or "auto": the one `planning.choice` prices fastest
+      for the model's values on this profile's network (dense bfloat16 among
+      them), recorded in a JSON beside the plan.
     profile: a profile JSON to load instead of measuring one here.
     bandwidth: model the network instead of the profile's measured one, e.g. "1gbit".
     latency: per-step latency in seconds with `bandwidth`.
@@ -51,6 +57,7 @@ class PlanConfig:
   density: float = 0.01
   method: str = "dlgs"
   planner: str = "optimal"
+  collective: str = "allgather"
   profile: Optional[str] = None
   bandwidth: Optional[str] = None
   latency: float = 25e-6
@@ -77,7 +84,13 @@ class PlanConfig:
       raise ConfigError("method", self.method, f"choose one of {timeline.METHODS}")
     if self.planner not in planner.PLANNERS:
       raise ConfigError("planner", self.planner, f"choose one of {planner.PLANNERS}")
-    MethodConfig(self.method, density=self.density, reuse_every=self.reuse_every).validate()
+    MethodConfig(self.method, density=self.density, reuse_every=self.reuse_every,
+                 collective="allgather" if self.collective == "auto" else self.collective
+                 ).validate()
+    if self.collective == "auto" and "collective" not in methods.METHODS[self.method].options:
+      raise ConfigError("collective", self.collective,
+                        f"applies to {', '.join(methods.names(collective=True))}, not "
+                        f"{self.method}")
     if self.refresh_below is not None and not 0.0 <= self.refresh_below <= 1.0:
       raise ConfigError("refresh_below", self.refresh_below,
                         "must be a number in [0, 1] or None")
@@ -174,7 +187,21 @@ def costs_of(config: PlanConfig, profile: Profile, progress=print) -> MethodCost
              "schedule's cost" if fraction is None else
              f"DLGS refresh rule: {fraction:.0%} of thresholds computed exactly per step "
              "(measured)")
-  return MethodCosts(config.method, config.density, exact_fraction=fraction, **exchange)
+  collective = None if config.collective in ("allgather", "auto") else config.collective
+  return MethodCosts(config.method, config.density, exact_fraction=fraction,
+                     collective=collective, **exchange)
+
+
+def chosen_collective(config: PlanConfig, profile: Profile, progress=print) -> dict:
+  """``collective="auto"``: each exchange's seconds for the whole model, and the fastest."""
+  size = sum(profile.sizes)
+  seconds = choice.exchange_seconds(size, config.density, profile.workers, profile.comm)
+  best = choice.choose(size, config.density, profile.workers, profile.comm)
+  progress(f"one message of {size:,} values at density {config.density:g}, "
+           f"{world(config, profile)}: " + ", ".join(
+               f"{name} {t * 1e3:.2f} ms" for name, t in seconds.items()) + f"; fastest: {best}")
+  return {"model": config.model, "density": config.density, "workers": profile.workers,
+          "seconds": seconds, "chosen": best}
 
 
 def world(config: PlanConfig, profile: Profile) -> str:
@@ -226,6 +253,9 @@ def run(config: PlanConfig, progress=print) -> dict[str, Path]:
   out_dir = Path(config.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   profile = on_network(config, load_or_measure(config, progress))
+  chosen = chosen_collective(config, profile, progress) if config.collective == "auto" else None
+  if chosen and chosen["chosen"] in engine.SPARSE_COLLECTIVES:
+    config = dataclasses.replace(config, collective=chosen["chosen"])
   costs = costs_of(config, profile, progress)
   timelines = compare_planners(config, profile, costs, progress)
   plan = planner.make_plan(profile, config.method, config.density, config.planner,
@@ -235,6 +265,9 @@ def run(config: PlanConfig, progress=print) -> dict[str, Path]:
   paths = {"plan": out_dir / f"{stem}_{config.planner}_plan.json",
            "chart": out_dir / f"{stem}_timeline.png"}
   plan.save(paths["plan"])
+  if chosen:
+    paths["collective"] = out_dir / f"{stem}_collective.json"
+    paths["collective"].write_text(json.dumps(chosen, indent=1) + "\n")
   draw_gantt(profile, timelines, paths["chart"], title=f"{config.model}, {config.method} "
              f"density {config.density:g}, {world(config, profile)}")
   return paths

@@ -8,7 +8,7 @@ and the transforms' states (error-feedback residuals) are per worker (see
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax

@@ -25,6 +25,9 @@ from dlgs_jax.cli import plan
     (["--node-size", "4", "--bandwidth", "1gbit", "--fast-bandwidth", "fast"],
      "--fast-bandwidth 'fast' is invalid"),
     (["--fast-latency", "-1"], "--fast-latency -1.0 is invalid"),
+    (["--collective", "ring"], "--collective 'ring' is invalid"),
+    (["--method", "dense", "--collective", "auto"],
+     "--collective 'auto' is invalid: applies to topk, lags, dlgs, not dense"),
 ])
 def test_bad_flags_are_named_before_anything_runs(tmp_path, flags, message):
   with pytest.raises(SystemExit) as stop:
@@ -58,3 +61,17 @@ def test_the_flags_become_one_checked_config(tmp_path):
   # The config checks itself, with the factories' own rules, without a command line.
   with pytest.raises(ConfigError, match=r"density 1.5 is invalid: must be in \(0, 1\]"):
     PlanConfig(model="vgg16", density=1.5).validate()
+
+
+def test_auto_records_the_exchange_the_network_prices_fastest(tmp_path, capsys):
+  from pathlib import Path
+  profile = Path(__file__).resolve().parents[2] / "experiments/results/profiles/vgg16_gpu.json"
+  for workers, chosen in (("64", "owners"), ("2", "allgather")):
+    out = tmp_path / workers
+    assert plan.main(["--model", "vgg16", "--profile", str(profile), "--bandwidth", "10gbit",
+                      "--latency", "0", "--workers", workers, "--collective", "auto",
+                      "--out-dir", str(out)]) == 0
+    record = json.loads((out / "vgg16_dlgs_0.01_collective.json").read_text())
+    assert record["chosen"] == chosen and record["workers"] == int(workers)
+    assert min(record["seconds"], key=record["seconds"].get) == chosen
+  assert "fastest: allgather" in capsys.readouterr().out

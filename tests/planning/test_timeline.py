@@ -53,6 +53,16 @@ def test_comm_bytes_follow_wire_model():
   assert MethodCosts("gtopk", 0.01).comm_bytes(profile, 1000) == wire.gtopk_bytes(10, 8)[0]
   one = make_profile(workers=1)
   assert MethodCosts("dense", 1.0).comm_time(one, 10) == 0.0
+  # A method that takes a collective is priced by the one it is given.
+  owners = MethodCosts("dlgs", 0.01, collective="owners")
+  assert owners.comm_bytes(profile, 1000) == wire.owners_bytes(10, 10, 8)
+  assert MethodCosts("topk", 0.01, collective="owners").kind == "owners"
+  assert (MethodCosts("lags", 0.01, collective="gtopk").comm_bytes(profile, 1000)
+          == wire.gtopk_bytes(10, 8)[0])
+  # The owners' bytes stay flat as P grows; the all-gather's do not.
+  many = [make_profile(sizes=(100_000, 10, 10), workers=p) for p in (16, 256)]
+  flat = [owners.comm_bytes(prof, 100_000) for prof in many]
+  assert max(flat) / min(flat) < 1.1
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -193,6 +203,9 @@ def test_terngrad_sends_two_bits_per_value_and_pays_its_scaler_allreduce():
     ({"density": 0.0}, "0.0"),
     ({"exact_fraction": 1.5}, "1.5"),
     ({"method": "lags", "exact_fraction": 0.5}, "dlgs only"),
+    ({"method": "dense", "collective": "owners"}, "collective applies to"),
+    ({"method": "topk", "collective": "gtopk"}, "for gTop-k's reduction run gtopk"),
+    ({"method": "dlgs", "collective": "ring"}, "'ring'"),
 ])
 def test_bad_method_costs_raise(kwargs, match):
   args = {"method": "dlgs", "density": 0.1, **kwargs}

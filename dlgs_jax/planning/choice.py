@@ -1,0 +1,75 @@
+"""Which collective sends a sparse message fastest, for a given P, bandwidth and latency.
+
+Each worker's all-gather of its k pairs moves (P-1)·8k bytes, so it loses to a
+dense bfloat16 all-reduce near P = 50 at density 0.01; gTop-k's bytes grow as
+log2 P and the owners' exchange (`compress.owners`) keeps them flat, at the
+price of more latency steps. The α-β costs are `network.network_comm`'s and the
+bytes `wire`'s, the same functions the timeline model prices a step with; the
+selection's own cost (gTop-k's merges, the owners' sort) is not counted here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dlgs_jax.compress import selection, wire
+from dlgs_jax.planning.network import network_comm
+from dlgs_jax.planning.timeline import LinearCost
+
+# The exchanges a sparse method can take, and the dense bfloat16 all-reduce they must beat.
+CHOICES = ("allgather", "gtopk", "owners", "dense-bf16")
+
+
+def exchange_seconds(size: int, density: float, workers: int,
+                     comm: dict[str, LinearCost]) -> dict[str, float]:
+  """Seconds of one message of `size` values at `density` by each exchange `comm` prices.
+
+  Args:
+    size: values in the message (the model, for one message).
+    density: the sparse methods' share of values sent.
+    workers: P.
+    comm: α-β costs by collective kind (`network.network_comm`, or a profile's);
+      an exchange whose kind it lacks is left out.
+
+  Returns:
+    ``{choice: seconds}`` in `CHOICES` order.
+  """
+  k = selection.num_to_keep(density, size)
+  priced = {
+      "allgather": ("allgather", wire.allgather_bytes(k, workers)),
+      "gtopk": ("gtopk", wire.gtopk_bytes(k, workers)[0]),
+      "owners": ("owners", wire.owners_bytes(k, k, workers)),
+      "dense-bf16": ("allreduce", wire.allreduce_bytes(size, workers, itemsize=2)),
+  }
+  return {name: comm[kind](amount) for name, (kind, amount) in priced.items() if kind in comm}
+
+
+def choose(size: int, density: float, workers: int, comm: dict[str, LinearCost]) -> str:
+  """The fastest of `exchange_seconds` (ties: the first in `CHOICES`)."""
+  seconds = exchange_seconds(size, density, workers, comm)
+  if not seconds:
+    raise ValueError(f"no exchange is priced: the costs hold {sorted(comm)}")
+  return min(seconds, key=seconds.get)
+
+
+def crossover_table(size: int, density: float, workers: Sequence[int],
+                    bandwidths: Sequence[float], latency: float = 25e-6) -> str:
+  """A markdown table: per link and P, each exchange's ms, the fastest in bold.
+
+  Args:
+    size: values in the message.
+    density: the share sent.
+    workers: the P of each row.
+    bandwidths: links in bits per second.
+    latency: seconds per step.
+  """
+  head = "| link | P | " + " | ".join(CHOICES) + " |"
+  lines = [head, "|" + "---|" * (len(CHOICES) + 2)]
+  for bits in bandwidths:
+    for p in workers:
+      seconds = exchange_seconds(size, density, p, network_comm(p, bits, latency))
+      best = choose(size, density, p, network_comm(p, bits, latency))
+      cells = [f"**{seconds[c] * 1e3:.2f}**" if c == best else f"{seconds[c] * 1e3:.2f}"
+               for c in CHOICES]
+      lines.append(f"| {bits / 1e9:g} Gb/s | {p} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
