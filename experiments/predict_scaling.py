@@ -39,7 +39,6 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   from dlgs_jax.planning import network, scaling
-  from dlgs_jax.planning.timeline import METHODS
   from dlgs_jax.profiling import figures
 
   workers = [int(w) for w in args.workers.split(",")]
@@ -51,10 +50,11 @@ def main(argv=None) -> int:
   predictions = []
   for profile in profiles:
     predictions += scaling.predict(profile, workers=workers, bandwidths=bandwidths,
-                                   density=args.density, latency=args.latency)
+                                   density=args.density, latency=args.latency,
+                                   methods=scaling.PREDICTABLE)
   print(f"Predicted: communication (alpha-beta, latency {args.latency * 1e6:g} us per step) "
         f"and iteration times; density {args.density:g}.\n")
-  table = scaling.speedup_table(predictions, METHODS)
+  table = scaling.speedup_table(predictions, scaling.PREDICTABLE)
   print(table)
   tag = f"density{args.density:g}"
   json_path = out_dir / f"scaling_{tag}.json"
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                "predictions": [p.to_dict() for p in predictions]}, f, indent=1)
   (out_dir / f"scaling_{tag}.md").write_text(table + "\n")
   png = out_dir / f"scaling_{tag}.png"
-  figures.speedup_grid(predictions, METHODS, png,
+  figures.speedup_grid(predictions, scaling.PREDICTABLE, png,
                        f"Predicted speedup over dense all-reduce, density {args.density:g} "
                        "(compute measured, network modelled)")
   print(f"\nwrote {json_path}\nwrote {png}")

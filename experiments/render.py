@@ -195,11 +195,13 @@ def demo_presets() -> str:
   return "\n".join(lines)
 
 
-METHOD_NAMES = {"dlgs": "DLGS", "gtopk": "gTop-k", "topk": "Top-k", "lags": "LAGS"}
+METHOD_NAMES = {"dlgs": "DLGS", "gtopk": "gTop-k", "topk": "Top-k", "lags": "LAGS",
+                "dlgs-owners": "DLGS owners", "topk-owners": "Top-k owners"}
 # The report's rows of the predicted scaling: (model, link in Gbit/s).
 SCALING_ROWS = (("resnet20", 1), ("vgg16", 10), ("resnet50", 10), ("resnet50", 25))
 NODE_ROWS = (("vgg16", 10, 2), ("vgg16", 10, 16), ("resnet50", 10, 16), ("resnet50", 100, 16))
-NODE_COLUMNS = ("dense two-level bf16", "dlgs flat", "dlgs two-level", "gtopk flat")
+NODE_COLUMNS = ("dense two-level bf16", "dlgs flat", "dlgs two-level", "gtopk flat",
+                "dlgs-owners flat", "dlgs-owners two-level")
 
 
 def _by_row(path: Path) -> dict:
@@ -252,6 +254,24 @@ def owners_crossover() -> str:
   return choice.crossover_table(size, 0.01, (4, 16, 64, 256), (10e9,), 25e-6)
 
 
+def owners_cluster() -> str:
+  """The owners' exchange against the all-gather on the emulated cluster, paired, per P."""
+  lines = ["| P | method | median step ms | speedup over dense (range) | kB sent a worker | "
+           "rounds ahead of its all-gather twin |", "|---|---|---|---|---|---|"]
+  for folder in ("resnet20_100mbit", "resnet20_100mbit_p8"):
+    run = _load(RESULTS / "compare" / "owners" / folder / "compare_resnet20_0.01.json")
+    for row in run["summary"]:
+      method = row["method"]
+      if method == "dense":
+        continue
+      twin = method.removesuffix("-owners")
+      ahead = (f"{run['wins'][method][twin]} of {run['rounds']}" if twin != method else "")
+      lines.append(f"| {run['workers']} | {method} | {row['median'] * 1e3:.1f} | "
+                   f"{row['speedup']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}) | "
+                   f"{row['bytes_sent'] / 1e3:.0f} | {ahead} |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -261,6 +281,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "predicted-scaling": predicted_scaling,
     "predicted-nodes": predicted_nodes,
     "owners-crossover": owners_crossover,
+    "owners-cluster": owners_cluster,
 }
 
 

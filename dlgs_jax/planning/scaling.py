@@ -33,6 +33,26 @@ from dlgs_jax.planning.timeline import METHODS, LinearCost, MethodCosts, Profile
 
 # How each method groups its layers when it runs (the registry's `grouping`).
 METHOD_PLANNERS = {name: methods.METHODS[name].grouping for name in METHODS}
+# Variants predicted besides the methods: those that only change the collective.
+COLLECTIVE_VARIANTS = tuple(name for name, v in methods.VARIANTS.items()
+                            if set(v.options) == {"collective"} and v.base in METHOD_PLANNERS)
+PREDICTABLE = tuple(METHOD_PLANNERS) + COLLECTIVE_VARIANTS
+
+
+def method_costs(name: str, density: float, **options) -> MethodCosts:
+  """The costs of a method of `timeline.METHODS` or a variant of `COLLECTIVE_VARIANTS`.
+
+  Args:
+    name: the method or variant.
+    density: its density (dense: 1).
+    **options: further `MethodCosts` fields (wire dtype, a two-level exchange).
+  """
+  if name not in PREDICTABLE:
+    raise ValueError(f"unknown method {name!r}; choose from {PREDICTABLE}")
+  config = methods.method_config(name)
+  collective = config.collective if name in COLLECTIVE_VARIANTS else None
+  return MethodCosts(config.name, 1.0 if config.name == "dense" else density,
+                     collective=collective, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +87,7 @@ def predict(profile: Profile, *, workers: Sequence[int], bandwidths: Sequence[fl
     bandwidths: link bandwidths in bits per second.
     density: fraction of values each sparse method sends (dense ignores it).
     latency: per-step latency of the α-β model, seconds.
-    methods: which of `timeline.METHODS` to predict ("dense" is always computed
+    methods: which of `PREDICTABLE` to predict ("dense" is always computed
       because speedups are relative to it).
 
   Returns:
@@ -78,8 +98,8 @@ def predict(profile: Profile, *, workers: Sequence[int], bandwidths: Sequence[fl
   """
   methods = list(methods)
   for method in methods:
-    if method not in METHOD_PLANNERS:
-      raise ValueError(f"unknown method {method!r}; choose from {tuple(METHOD_PLANNERS)}")
+    if method not in PREDICTABLE:
+      raise ValueError(f"unknown method {method!r}; choose from {PREDICTABLE}")
   for p in workers:
     if not isinstance(p, int) or p < 2:
       raise ValueError(f"worker counts must be integers >= 2, got {p!r}")
@@ -93,7 +113,7 @@ def predict(profile: Profile, *, workers: Sequence[int], bandwidths: Sequence[fl
       dense_costs = MethodCosts("dense", 1.0)
       dense = _simulate(net, dense_costs)
       for method in methods:
-        costs = MethodCosts(method, 1.0 if method == "dense" else density)
+        costs = method_costs(method, density)
         groups, tl = (dense if method == "dense" else _simulate(net, costs))
         sent = sum(costs.comm_bytes(net, sum(net.sizes[i] for i in g)) for g in groups)
         out.append(Prediction(
@@ -118,6 +138,8 @@ NODE_CONFIGS = (
     ("dlgs flat", "dlgs", False, "float32"),
     ("dlgs two-level", "dlgs", True, "float32"),
     ("gtopk flat", "gtopk", False, "float32"),
+    ("dlgs-owners flat", "dlgs-owners", False, "float32"),
+    ("dlgs-owners two-level", "dlgs-owners", True, "float32"),
 )
 
 
@@ -168,7 +190,9 @@ def predict_nodes(profile: Profile, *, nodes: Sequence[int], local: int,
   for bits in bandwidths:
     for n in nodes:
       flat = dict(network.network_comm(n * local, bits, latency))
-      flat["gtopk"] = network.network_comm(n * local, bits / local, latency)["gtopk"]
+      # gTop-k's rounds and the owners' all-to-all send from all L devices of a node at once.
+      shared = network.network_comm(n * local, bits / local, latency)
+      flat["gtopk"], flat["owners"] = shared["gtopk"], shared["owners"]
       nets = {False: profile.with_comm(flat, n * local,
                                        f"modelled flat {n}x{local} at {bits / 1e9:g} Gb/s"),
               True: profile.with_comm(network.network_comm(n, bits / local, latency), n,
@@ -182,8 +206,8 @@ def predict_nodes(profile: Profile, *, nodes: Sequence[int], local: int,
 
 
 def _node_row(profile, net, label, method, two, dtype, density, local, fast) -> Prediction:
-  costs = MethodCosts(method, 1.0 if method == "dense" else density, wire_dtype=dtype,
-                      fast_size=local if two else 1, fast_link=fast if two else None)
+  costs = method_costs(method, density, wire_dtype=dtype, fast_size=local if two else 1,
+                       fast_link=fast if two else None)
   groups, tl = _simulate(net, costs)
   sent = sum(costs.comm_bytes(net, sum(net.sizes[i] for i in g)) for g in groups)
   return Prediction(model=profile.model, method=label, density=density, workers=0,

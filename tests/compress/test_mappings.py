@@ -89,13 +89,15 @@ def test_vmap_simulates_32_workers_on_one_device_with_nothing_lost():
 
 
 @pytest.mark.slow
-def test_two_level_under_nested_vmap_matches_shard_map():
+@pytest.mark.parametrize("collective", ["allgather", "owners"])
+def test_two_level_under_nested_vmap_matches_shard_map(collective):
+  """Between nodes any sparse collective, each device on its slice (owners: its slice's regions)."""
   nodes, local = 2, 2
   rng = np.random.default_rng(2)
   steps = [{k: rng.standard_normal((nodes * local,) + v.shape).astype(np.float32)
             for k, v in PARAMS.items()} for _ in range(2)]
   make = lambda axis: dlgs_jax.dlgs(  # noqa: E731
-      0.1, axis_name=axis, thresholds=dlgs_jax.AdaptedReuse(2))
+      0.1, axis_name=axis, thresholds=dlgs_jax.AdaptedReuse(2), collective=collective)
   tx = two_level(make, fast_axis="local", slow_axis="node", fast_size=local)
   mesh = jax.make_mesh((nodes, local), ("node", "local"), devices=jax.devices()[:4])
   state = dlgs_jax.init_per_worker(tx, PARAMS, mesh)
