@@ -101,7 +101,7 @@ def test_cli_writes_table_json_and_plot(tmp_path):
   assert "Measured (per worker)" in result.stdout and "Predicted" in result.stdout
   assert "| toy | 1 Gb/s | 4 |" in result.stdout
   data = json.loads((tmp_path / "out" / "scaling_density0.01.json").read_text())
-  assert len(data["predictions"]) == 2 * 2 * 5
+  assert len(data["predictions"]) == 2 * 2 * len(scaling.PREDICTABLE)
   assert data["measured"]["toy"]["source"] == "hand-made"
   png = (tmp_path / "out" / "scaling_density0.01.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -168,3 +168,19 @@ def test_profiles_load_with_what_each_measured(tmp_path):
   lines = scaling.measured_lines(measured, "GPU", ", fitted")
   assert lines[0] == "Measured (per GPU):"
   assert lines[1] == "  toy: forward 2.00 ms, backward 6.80 ms, fitted; hand-made"
+
+
+def test_the_owners_variant_is_priced_as_dlgs_with_flat_bytes():
+  profile = small_profile()
+  rows = by_key(scaling.predict(profile, workers=[16, 64], bandwidths=[1e9], density=0.01,
+                                methods=["dlgs", "dlgs-owners"]))
+  owners = [rows[(1e9, p, "dlgs-owners")].bytes_sent for p in (16, 64)]
+  allgather = [rows[(1e9, p, "dlgs")].bytes_sent for p in (16, 64)]
+  assert max(owners) / min(owners) < 1.1 and allgather[1] / allgather[0] == pytest.approx(63 / 15, rel=1e-2)
+  # Its update is priced as DLGS's (the owners' own work is not in a profile).
+  owners_costs = scaling.method_costs("dlgs-owners", 0.01)
+  assert owners_costs.kind == "owners" and owners_costs.method == "dlgs"
+  assert (owners_costs.sparsify_time(profile, 5000)
+          == MethodCosts("dlgs", 0.01).sparsify_time(profile, 5000))
+  with pytest.raises(ValueError, match="unknown method 'dlgs-head'"):
+    scaling.predict(profile, workers=[4], bandwidths=[1e9], density=0.01, methods=["dlgs-head"])
