@@ -148,7 +148,7 @@ def test_node_cli_writes_table_json_and_plot(tmp_path):
   profile_path = tmp_path / "toy.json"
   small_profile().save(profile_path)
   result = subprocess.run(
-      [sys.executable, str(ROOT / "experiments" / "predict_nodes.py"), "--profiles",
+      [sys.executable, str(ROOT / "experiments" / "predict_scaling.py"), "--profiles",
        str(profile_path), "--nodes", "2,4", "--local", "4", "--bandwidths", "10gbit",
        "--out-dir", str(tmp_path / "out")],
       capture_output=True, text=True, timeout=300)
