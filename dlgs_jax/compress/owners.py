@@ -16,15 +16,19 @@ Synchronization"), so that no repartitioning is needed:
 3. Each owner sums what it received per position and keeps its region's share
    of the global k, ``ceil(k / P)``: the exact top of its sums (the library's
    one top-k path, `segmented.top`).
-4. One all-gather of the owners' selections gives every worker the mean.
-5. A worker removes from its residual exactly its own values at the positions
-   that were finally sent: every other value it selected (overflowed a slot,
-   or summed at a position its owner did not keep) returns to its residual, so
-   ``P·mean + Σ new residuals == Σ (gradients + old residuals)``.
+4. One all-gather of the owners' kept positions (indices only) tells every
+   worker the ~k positions of the step.
+5. As in gTop-k's last phase, every worker contributes its *full* value at
+   those positions to one all-reduce of ~k values, and removes exactly them from
+   its residual: the mean is the workers' whole mean there, and
+   ``P·mean + Σ new residuals == Σ (gradients + old residuals)``. Everything
+   else a worker selected (it overflowed a slot, or its owner did not keep it)
+   stays in its residual.
 
 A worker sends ``(P-1)·S`` pairs in the all-to-all (S slots per owner, about
-``slack·c/P`` for a message of c pairs) and ``(P-1)·ceil(k/P)`` in the
-all-gather: about ``8·(slack·c + k)`` bytes, flat in P (`wire.owners_bytes`).
+``2c/P`` for a message of c pairs), ``(P-1)·ceil(k/P)`` indices in the
+all-gather and a ring all-reduce of ``P·ceil(k/P)`` values: about
+``16c + 4k + 8k`` bytes, flat in P (`wire.owners_bytes`).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def owner_of(positions: jax.Array, workers: int) -> jax.Array:
 
 
 def _into_slots(values, positions, size: int, workers: int, slots: int):
-  """This worker's pairs in ``[P, slots]`` per owner, and which of its pairs found a slot.
+  """This worker's pairs in ``[P, slots]`` per owner; those past an owner's slots are left out.
 
   Pairs keep their message order within an owner; the sort is over the
   message (c pairs), never over the buffer.
@@ -76,15 +80,14 @@ def _into_slots(values, positions, size: int, workers: int, slots: int):
       positions[order], mode="drop")
   out_values = jnp.zeros((workers * slots,), jnp.float32).at[slot].set(
       values[order].astype(jnp.float32), mode="drop")
-  in_slot = jnp.zeros((count,), jnp.bool_).at[order].set(fits)
-  return out_values, out_positions, in_slot
+  return out_values, out_positions
 
 
 def _region_top(values, positions, size: int, keep: int):
-  """An owner's received pairs summed per position, and the `keep` largest sums.
+  """The positions of the `keep` largest sums of an owner's received pairs.
 
   Returns:
-    ``(values, positions)`` of ``keep`` pairs, positions sentinel `size`.
+    int32[keep] positions, sentinel `size`.
   """
   received = positions.shape[0]
   sums = jnp.zeros((size,), jnp.float32).at[positions].add(values, mode="drop")
@@ -99,9 +102,7 @@ def _region_top(values, positions, size: int, keep: int):
   chosen, _ = segmented.top(candidates, segs, [min(keep, received)], (min(keep, received),))
   taken = chosen < received
   where = jnp.minimum(chosen, received - 1)
-  out_positions = jnp.where(taken & lead[where], positions[where], size)
-  out_values = jnp.where(out_positions < size, candidates[where], 0.0)
-  return out_values, out_positions
+  return jnp.where(taken & lead[where], positions[where], size)
 
 
 def owners_mean(
@@ -113,10 +114,10 @@ def owners_mean(
     axis_name,
     apply: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Mean over workers of their selected pairs, summed and cut at the owners of their regions.
+  """Mean over workers at the positions the owners of their regions keep.
 
   Args:
-    flat: float32[n] this worker's g = residual + gradient (its length is all that is read).
+    flat: float32[n] this worker's g = residual + gradient.
     values: float32[c] the pairs it selected (`engine.pick`), values...
     positions: int32[c] ...and positions, sentinel ``n``.
     k: the group's global k: the owners together keep about k positions.
@@ -126,14 +127,13 @@ def owners_mean(
 
   Returns:
     ``(mean, sent)``: float32[n], identical on every worker (typed
-    replicated), and int32[c] this worker's positions whose values the mean
-    holds (sentinel ``n``): exactly those leave its residual.
+    replicated), and int32[P·ceil(k/P)] the positions every worker removes
+    from its residual (sentinel ``n``).
   """
   size = flat.shape[0]
   workers = collectives.num_workers(axis_name)
   slots = wire.owner_slots(positions.shape[0], workers)
-  keep = wire.owner_share(k, workers)
-  out_values, out_positions, in_slot = _into_slots(values, positions, size, workers, slots)
+  out_values, out_positions = _into_slots(values, positions, size, workers, slots)
   if axis_name is None:
     got_values, got_positions = out_values, out_positions
   else:
@@ -143,21 +143,18 @@ def owners_mean(
     received = lax.all_to_all(message, axis_name, 0, 0, tiled=False)
     got_values, got_positions = collectives.unpack_pairs(received)
     got_values, got_positions = got_values.reshape(-1), got_positions.reshape(-1)
+  # Scaled by 1/P as the mean is, so no sum of finite values overflows.
+  kept = _region_top(got_values / workers, got_positions, size, wire.owner_share(k, workers))
+  if apply is not None:
+    kept = jnp.where(apply, kept, size)
+  chosen = (kept if axis_name is None
+            else collectives.gather_replicated(kept, axis_name).reshape(-1))
   # Divided by P before they are summed, as every mean here is: finite values
   # then never sum past the float range (exact for P a power of two).
-  kept_values, kept_positions = _region_top(got_values / workers, got_positions, size, keep)
+  local = flat.astype(jnp.float32).at[chosen].get(mode="fill", fill_value=0.0) / workers
+  summed = local if axis_name is None else lax.psum(local, axis_name)
   if apply is not None:
-    kept_positions = jnp.where(apply, kept_positions, size)
-    kept_values = jnp.where(apply, kept_values, 0.0)
-  if axis_name is None:
-    rows_values, rows_positions = kept_values[None], kept_positions[None]
-  else:
-    rows_values, rows_positions = collectives.unpack_pairs(collectives.gather_replicated(
-        collectives.pack_pairs(kept_values, kept_positions), axis_name))
-  # Each position has one owner, and an owner keeps it once: no two rows add
-  # into one place, so one scatter gives the same mean on every worker.
-  mean = jnp.zeros((size,), jnp.float32).at[rows_positions.reshape(-1)].add(
-      rows_values.reshape(-1), mode="drop")
-  final = jnp.zeros((size,), jnp.bool_).at[rows_positions.reshape(-1)].set(True, mode="drop")
-  mine = in_slot & final.at[positions].get(mode="fill", fill_value=False)
-  return mean, jnp.where(mine, positions, size)
+    summed = jnp.where(apply, summed, 0.0)
+  # Each position has one owner, which keeps it once: no two entries write one place.
+  mean = jnp.zeros((size,), jnp.float32).at[chosen].set(summed, mode="drop")
+  return mean, chosen

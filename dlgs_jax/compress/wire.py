@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 PAIR_BYTES = 8  # float32 value + int32 index
 HALF_PAIR_BYTES = 6  # bfloat16 value + int32 index (``wire_dtype="bfloat16"``)
+INDEX_BYTES = 4  # an int32 index alone
 
 
 WIRE_DTYPES = ("float32", "bfloat16")
@@ -116,13 +117,16 @@ def owners_bytes(pairs: int, k: int, workers: int) -> float:
     workers: P.
 
   Returns:
-    The all-to-all's ``(P-1)·S`` pairs (S slots per owner) plus the all-gather
-    of every owner's ``ceil(k/P)``: about ``8·(2·pairs + k)``.
+    The all-to-all's ``(P-1)·S`` pairs (S slots per owner), the all-gather of
+    every owner's ``ceil(k/P)`` indices and the all-reduce of the values there:
+    about ``16·pairs + 12·k``.
   """
   if workers <= 1:
     return 0.0
+  share = owner_share(k, workers)
   return (float((workers - 1) * owner_slots(pairs, workers) * PAIR_BYTES)
-          + allgather_bytes(owner_share(k, workers), workers))
+          + float((workers - 1) * share * INDEX_BYTES)
+          + allreduce_bytes(workers * share, workers))
 
 
 def packed_allgather_bytes(num_bytes: int, workers: int) -> float:
