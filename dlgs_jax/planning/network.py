@@ -36,7 +36,8 @@ def network_comm(workers: int, bandwidth_bits: float, latency: float = 25e-6) ->
   Latency terms count the sequential steps of each algorithm: 2(P-1) for a ring
   all-reduce, P-1 for a ring all-gather, for gTop-k its pairwise rounds plus
   the 2(P-1) steps of the exact k-value all-reduce, and for the owners'
-  exchange the P-1 steps of its all-to-all and P-1 of its all-gather.
+  exchange the P-1 steps of its all-to-all, P-1 of its all-gather and 2(P-1)
+  of its all-reduce.
   Bandwidth terms use the bytes per worker of `wire`.
   """
   if workers < 1:
@@ -50,7 +51,7 @@ def network_comm(workers: int, bandwidth_bits: float, latency: float = 25e-6) ->
       "allreduce": LinearCost(2 * (workers - 1) * latency, beta),
       "allgather": LinearCost((workers - 1) * latency, beta),
       "gtopk": LinearCost((rounds + 2 * (workers - 1)) * latency, beta),
-      "owners": LinearCost(2 * (workers - 1) * latency, beta),
+      "owners": LinearCost(4 * (workers - 1) * latency, beta),
   }
 
 

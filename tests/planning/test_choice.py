@@ -17,15 +17,17 @@ def test_each_exchange_is_its_collectives_cost_of_its_bytes():
   assert seconds["allgather"] == comm["allgather"](wire.allgather_bytes(k, 64))
   assert seconds["owners"] == comm["owners"](wire.owners_bytes(k, k, 64))
   assert seconds["dense-bf16"] == comm["allreduce"](wire.allreduce_bytes(VGG16, 64, 2))
-  # The owners' latency is two collectives' worth of steps.
-  assert comm["owners"].alpha == pytest.approx(2 * 63 * 25e-6)
+  # The owners' latency: an all-to-all, an all-gather and an all-reduce.
+  assert comm["owners"].alpha == pytest.approx(4 * 63 * 25e-6)
 
 
 def test_the_fastest_is_chosen_and_the_crossovers_fall_where_the_bytes_say():
   at = lambda p, bits, latency=25e-6: choice.choose(  # noqa: E731
       VGG16, 0.01, p, network_comm(p, bits, latency))
-  # Many workers: the all-gather's (P-1)·8k bytes lose to the owners' flat ones.
-  assert at(64, 10e9) == at(256, 10e9) == "owners"
+  # Many workers: the all-gather's (P-1)·8k bytes lose to the owners' flat ones...
+  assert at(64, 10e9) == at(256, 10e9, 0.0) == "owners"
+  # ...until their 4(P-1) latency steps cost more than gTop-k's log2 P rounds save.
+  assert at(256, 10e9) == "gtopk"
   # Past a sixth of the values, 2 bytes a value beat the owners' ~24 bytes a selected one.
   assert choice.choose(VGG16, 0.3, 64, network_comm(64, 10e9)) == "dense-bf16"
   # Two workers, negligible latency: the all-gather sends the fewest bytes.
