@@ -272,6 +272,15 @@ def owners_cluster() -> str:
   return "\n".join(lines)
 
 
+def owners_accuracy() -> str:
+  """The demo's preset with the owners' exchange, the all-gather and gTop-k: accuracy, bytes."""
+  runs = _load(RESULTS / "compare" / "owners" / "demo_accuracy.json")["runs"]
+  lines = ["| run | final test accuracy | bytes a worker a step |", "|---|---|---|"]
+  lines += [f"| `{run['command']}` | {100 * run['final_test_accuracy']:.1f}% | "
+            f"{run['bytes_sent_per_step'] / 1e3:.0f} kB |" for run in runs]
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -282,6 +291,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "predicted-nodes": predicted_nodes,
     "owners-crossover": owners_crossover,
     "owners-cluster": owners_cluster,
+    "owners-accuracy": owners_accuracy,
 }
 
 
