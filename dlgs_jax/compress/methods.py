@@ -104,7 +104,8 @@ class MethodConfig:
                         f"applies to {', '.join(names(collective=True))}, not {self.name}")
     if self.collective == "gtopk" and not self.spec.layer_wise:
       raise ConfigError("collective", self.collective,
-                        f"{self.name} sends one global top-k: for gTop-k's reduction run gtopk")
+                        f"gTop-k's reduction applies to lags and dlgs, not {self.name}: for a "
+                        "global top-k of the sum, run gtopk")
     _check_number("dgc_warmup_epochs", self.dgc_warmup_epochs, 0.0, math.inf)
     _check_number("terngrad_clip", self.terngrad_clip, 0.0, math.inf)
     if self.wire_dtype not in wire.WIRE_DTYPES:

@@ -157,13 +157,15 @@ def test_the_checkpoints_page_restores_a_data_parallel_state_bit_for_bit(site):
 @pytest.mark.slow
 def test_the_choosing_page_prints_the_bytes_its_formulas_give(site):
   page = html.unescape(re.sub(r"<[^>]+>", "", (site / "choosing.html").read_text()))
-  rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", page,
-                    re.MULTILINE)
+  rows = re.findall(r"^\s*(\d+)" + r"\s+([\d.]+)" * 6 + r"\s*$", page, re.MULTILINE)
   assert [int(r[0]) for r in rows] == [4, 16, 64, 256]
-  for p, dense, dense_bf16, gather, _, gtopk in ((int(r[0]), *map(float, r[1:])) for r in rows):
+  for p, dense, dense_bf16, gather, _, gtopk, owners in ((int(r[0]), *map(float, r[1:]))
+                                                          for r in rows):
     assert gather / dense == pytest.approx(0.01 * p, rel=0.01)  # all-gather over dense: d P
     assert dense_bf16 == pytest.approx(dense / 2, abs=0.1)
   assert float(rows[-1][5]) < float(rows[-1][3]) / 20  # gTop-k's log P at 256 workers
+  owners = [float(r[6]) for r in rows[1:]]
+  assert max(owners) / min(owners) < 1.1  # the owners' bytes: flat in P
 
 
 def test_the_docs_tests_share_one_worker(request):

@@ -204,7 +204,7 @@ def test_terngrad_sends_two_bits_per_value_and_pays_its_scaler_allreduce():
     ({"exact_fraction": 1.5}, "1.5"),
     ({"method": "lags", "exact_fraction": 0.5}, "dlgs only"),
     ({"method": "dense", "collective": "owners"}, "collective applies to"),
-    ({"method": "topk", "collective": "gtopk"}, "for gTop-k's reduction run gtopk"),
+    ({"method": "topk", "collective": "gtopk"}, "not topk: for a global top-k of the sum, run gtopk"),
     ({"method": "dlgs", "collective": "ring"}, "'ring'"),
 ])
 def test_bad_method_costs_raise(kwargs, match):
