@@ -44,12 +44,16 @@ def exchange_seconds(size: int, density: float, workers: int,
   return {name: comm[kind](amount) for name, (kind, amount) in priced.items() if kind in comm}
 
 
+def fastest(seconds: dict[str, float]) -> str:
+  """The exchange of least seconds (ties: the first listed)."""
+  if not seconds:
+    raise ValueError("no exchange is priced: the costs hold none of their collectives")
+  return min(seconds, key=seconds.get)
+
+
 def choose(size: int, density: float, workers: int, comm: dict[str, LinearCost]) -> str:
   """The fastest of `exchange_seconds` (ties: the first in `CHOICES`)."""
-  seconds = exchange_seconds(size, density, workers, comm)
-  if not seconds:
-    raise ValueError(f"no exchange is priced: the costs hold {sorted(comm)}")
-  return min(seconds, key=seconds.get)
+  return fastest(exchange_seconds(size, density, workers, comm))
 
 
 def crossover_table(size: int, density: float, workers: Sequence[int],
@@ -68,7 +72,7 @@ def crossover_table(size: int, density: float, workers: Sequence[int],
   for bits in bandwidths:
     for p in workers:
       seconds = exchange_seconds(size, density, p, network_comm(p, bits, latency))
-      best = choose(size, density, p, network_comm(p, bits, latency))
+      best = fastest(seconds)
       cells = [f"**{seconds[c] * 1e3:.2f}**" if c == best else f"{seconds[c] * 1e3:.2f}"
                for c in CHOICES]
       lines.append(f"| {bits / 1e9:g} Gb/s | {p} | " + " | ".join(cells) + " |")

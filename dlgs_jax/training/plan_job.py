@@ -192,11 +192,24 @@ def costs_of(config: PlanConfig, profile: Profile, progress=print) -> MethodCost
                      collective=collective, **exchange)
 
 
+def _takes(method: str, collective: str) -> bool:
+  try:
+    MethodConfig(method, collective=collective).validate()
+  except ConfigError:
+    return False
+  return True
+
+
 def chosen_collective(config: PlanConfig, profile: Profile, progress=print) -> dict:
-  """``collective="auto"``: each exchange's seconds for the whole model, and the fastest."""
+  """``collective="auto"``: the seconds of each exchange the method can take, and the fastest.
+
+  The whole model as one message; dense bfloat16 is among them, for comparison.
+  """
   size = sum(profile.sizes)
-  seconds = choice.exchange_seconds(size, config.density, profile.workers, profile.comm)
-  best = choice.choose(size, config.density, profile.workers, profile.comm)
+  seconds = {name: t for name, t in choice.exchange_seconds(
+      size, config.density, profile.workers, profile.comm).items()
+             if name == "dense-bf16" or _takes(config.method, name)}
+  best = choice.fastest(seconds)
   progress(f"one message of {size:,} values at density {config.density:g}, "
            f"{world(config, profile)}: " + ", ".join(
                f"{name} {t * 1e3:.2f} ms" for name, t in seconds.items()) + f"; fastest: {best}")

@@ -75,3 +75,12 @@ def test_auto_records_the_exchange_the_network_prices_fastest(tmp_path, capsys):
     assert record["chosen"] == chosen and record["workers"] == int(workers)
     assert min(record["seconds"], key=record["seconds"].get) == chosen
   assert "fastest: allgather" in capsys.readouterr().out
+  # Top-k cannot take gTop-k's reduction: at 256 workers, where DLGS would, it is left out.
+  for method, chosen in (("dlgs", "gtopk"), ("topk", "owners")):
+    out = tmp_path / method
+    assert plan.main(["--model", "vgg16", "--method", method, "--profile", str(profile),
+                      "--bandwidth", "10gbit", "--workers", "256", "--collective", "auto",
+                      "--out-dir", str(out)]) == 0
+    record = json.loads((out / f"vgg16_{method}_0.01_collective.json").read_text())
+    assert record["chosen"] == chosen
+    assert ("gtopk" in record["seconds"]) == (method == "dlgs")
