@@ -281,6 +281,46 @@ def owners_accuracy() -> str:
   return "\n".join(lines)
 
 
+# The full-CIFAR table's rows: (label, method or variant, density).
+FULL_CIFAR_ROWS = (
+    ("dense", "dense", None), ("DLGS, paper's rule", "dlgs-paper", 0.1),
+    ("DLGS, default", "dlgs", 0.1), ("DLGS, paper's rule, head whole", "dlgs-paper-head", 0.1),
+    ("DLGS, paper's rule, density 0.01", "dlgs-paper", 0.01),
+    ("DLGS, default, density 0.01", "dlgs", 0.01), ("Top-k", "topk", 0.1), ("LAGS", "lags", 0.1))
+
+
+def full_cifar() -> str:
+  """Full CIFAR-10 per method and seed, the paired gap to dense, bytes and DLGS's thresholds."""
+  import statistics  # pylint: disable=g-import-not-at-top
+
+  runs = _load(RESULTS / "accuracy_full" / "table" / "results.json")["results"]
+  by = {(r["method"], r["density"], r["seed"]): r["summary"] for r in runs}
+  dense = {seed: summary for (m, _, seed), summary in by.items() if m == "dense"}
+  lines = ["| method | seed 0 | seed 1 | seed 2 | − dense, paired (points) | MB a worker sends "
+           "per step | exact thresholds, leaves | sent / k (sd over steps) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for label, method, density in FULL_CIFAR_ROWS:
+    seeds = {seed: summary for (m, d, seed), summary in by.items()
+             if m == method and d == density}
+    cells = [f"{100 * seeds[s]['final_test_accuracy']:.1f}%" if s in seeds else ""
+             for s in (0, 1, 2)]
+    gaps = [100 * (seeds[s]["final_test_accuracy"] - dense[s]["final_test_accuracy"])
+            for s in sorted(seeds) if s in dense]
+    gap = (f"{statistics.mean(gaps):+.1f} ± {statistics.stdev(gaps):.1f}".replace("-", "−")
+           if method != "dense" and len(gaps) > 1 else "")
+    any_run = next(iter(seeds.values()))
+    stats = any_run.get("threshold_stats") or {}
+    exact = (f"{100 * statistics.mean(seeds[s]['threshold_stats']['exact_share'] for s in seeds):.1f}%"
+             if stats else "")
+    sent = ""
+    if stats:
+      sent = (f"{statistics.mean(seeds[s]['threshold_stats']['sent_over_k_mean'] for s in seeds):.2f}"
+              f" ({statistics.mean(seeds[s]['threshold_stats']['sent_over_k_sd'] for s in seeds):.2f})")
+    lines.append(f"| {label} | " + " | ".join(cells) + f" | {gap} | "
+                 f"{any_run['bytes_sent_per_step'] / 1e6:.3f} | {exact} | {sent} |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -292,6 +332,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "owners-crossover": owners_crossover,
     "owners-cluster": owners_cluster,
     "owners-accuracy": owners_accuracy,
+    "full-cifar": full_cifar,
 }
 
 
