@@ -321,6 +321,26 @@ def full_cifar() -> str:
   return "\n".join(lines)
 
 
+def cpu_floor() -> str:
+  """Each update's ms and its median ratio to the memory floor on one CPU core, DLGS over LAGS."""
+  rows = _load(RESULTS / "gpu_check" / "cpu_flat.json")["rows"]
+  found = {(r["model"], r["method"], r["grouping"]): r for r in rows}
+  cell = lambda r: f"{r['update_ms']:.1f} / {r['over_floor']:.1f}x" if r else ""  # noqa: E731
+  lines = ["| model | grouping | dense | Top-k | LAGS | DLGS, paper's rule | DLGS, default "
+           "| DLGS / LAGS |", "|---|---|---|---|---|---|---|---|"]
+  for model in ("vgg16", "resnet50"):
+    for grouping, label in (("one group", "one group"), ("default", "buckets")):
+      alone = grouping == "one group"
+      lags, paper, adapted = (found.get((model, m, grouping)) for m in ("lags", "dlgs-paper", "dlgs"))
+      lines.append(
+          f"| {MODELS[model].split(' ')[0]} | {label} | "
+          f"{cell(found.get((model, 'dense', '-')) if alone else None)} | "
+          f"{cell(found.get((model, 'topk', '-')) if alone else None)} | {cell(lags)} | "
+          f"{cell(paper)} | {cell(adapted)} | {paper['update_ms'] / lags['update_ms']:.2f}, "
+          f"{adapted['update_ms'] / lags['update_ms']:.2f} |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -333,6 +353,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "owners-cluster": owners_cluster,
     "owners-accuracy": owners_accuracy,
     "full-cifar": full_cifar,
+    "cpu-floor": cpu_floor,
 }
 
 
