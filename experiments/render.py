@@ -341,6 +341,30 @@ def cpu_floor() -> str:
   return "\n".join(lines)
 
 
+# The timeline model's check: (configuration, its paired cluster job under results/compare/).
+TIMELINE_CHECKS = (
+    ("ResNet-50 (32x32), 0.01, 1 Gbit/s", "profiled_resnet50_0.01/compare_resnet50_0.01.json"),
+    ("VGG16, 0.01, 100 Mbit/s", "vgg16_100mbit/compare_vgg16_0.01.json"),
+    ("ResNet-20, 0.01, 100 Mbit/s", "resnet20_100mbit/compare_resnet20_0.01.json"),
+    ("ResNet-20, 0.01, 1 Gbit/s", "resnet20_perleaf/compare_resnet20_0.01.json"),
+    ("ResNet-50 (32x32), 0.1, 1 Gbit/s", "compare_resnet50_0.1.json"),
+)
+
+
+def timeline_check() -> str:
+  """Per cluster job, how many methods' measured steps the timeline model predicts within 15%."""
+  lines = ["| configuration: methods | within 15% | errors |", "|---|---|---|"]
+  for label, path in TIMELINE_CHECKS:
+    rows = [r for r in _load(RESULTS / "compare" / path)["summary"]
+            if r.get("prediction_error") is not None]
+    errors = [round(100 * r["prediction_error"]) for r in rows]
+    within = sum(abs(r["prediction_error"]) <= 0.15 for r in rows)
+    shown = ", ".join(f"**{e:+d}**" if abs(e) > 15 else f"{e:+d}" for e in errors)
+    lines.append(f"| {label}: {', '.join(r['method'] for r in rows)} | {within} of {len(rows)} "
+                 f"| {shown.replace('-', '−')}% |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -354,6 +378,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "owners-accuracy": owners_accuracy,
     "full-cifar": full_cifar,
     "cpu-floor": cpu_floor,
+    "timeline-check": timeline_check,
 }
 
 
