@@ -365,6 +365,27 @@ def timeline_check() -> str:
   return "\n".join(lines)
 
 
+def h200_update() -> str:
+  """One H200, the engine before flat buffers: each update's ms / floor ratio, DLGS's kernels."""
+  base = RESULTS / "gpu_check"
+  runs = [_load(base / f"{name}.json") for name in ("h200", "h200_resnet50_dlgs", "h200_vgg16_0.1")]
+  found = {(r["model"], r["density"], r["method"]): r for run in runs for r in run["rows"]
+           if r["grouping"] in ("-", "one group")}
+  models = runs[0]["models"]
+  cell = lambda r: f"{r['update_ms']:.2f} / {r['over_floor']:.1f}x"  # noqa: E731
+  lines = ["| model (fwd+bwd), density | Top-k | gTop-k | LAGS | DLGS, paper's rule | DLGS, default "
+           "| DLGS kernels, paper / default |", "|---|---|---|---|---|---|---|"]
+  for model, density in (("vgg16", 0.01), ("vgg16", 0.1), ("resnet50", 0.01)):
+    rows = [found[(model, density, m)] for m in ("topk", "gtopk", "lags", "dlgs-paper", "dlgs")]
+    name = MODELS[model].split(" ")[0]
+    step = models[model]
+    label = (f"{name}, b {step['forward_backward_batch']} ({step['forward_backward_ms']:.2f} ms), "
+             f"{density:g}" if density == 0.01 else f"{name}, {density:g}")
+    lines.append(f"| {label} | " + " | ".join(cell(r) for r in rows)
+                 + f" | {rows[3]['kernels']} / {rows[4]['kernels']} |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -379,6 +400,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "full-cifar": full_cifar,
     "cpu-floor": cpu_floor,
     "timeline-check": timeline_check,
+    "h200-update": h200_update,
 }
 
 
