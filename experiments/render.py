@@ -386,6 +386,32 @@ def h200_update() -> str:
   return "\n".join(lines)
 
 
+def _megabytes(x: float) -> str:
+  return f"{x / 1e6:.1f}" if x >= 1e7 else f"{x / 1e6:.2f}"
+
+
+def nodes_measured() -> str:
+  """2 nodes x 2 devices: speedup over flat dense, and (1 Gbit/s) MB a step leaving a node."""
+  lines = ["| model | link | dense two-level | DLGS | DLGS two-level | gTop-k |",
+           "|---|---|---|---|---|---|"]
+  for model in ("vgg16", "resnet50"):
+    for link in ("1gbit", "100mbit"):
+      run = _load(RESULTS / "nodes" / f"measured_{link}" / f"compare_{model}_0.01.json")
+      speed = {r["method"]: r["speedup"] for r in run["summary"]}
+      best = max(speed.values())
+      cells = []
+      for method in ("dense@2l", "dlgs", "dlgs@2l", "gtopk"):
+        text = f"{speed[method]:.2f}x"
+        cell = f"**{text}**" if speed[method] == best else text
+        sent = run["methods"][method]
+        if link == "1gbit" and "interface_bytes_per_process" in sent:
+          cell += (f"; {_megabytes(sent['model_bytes_per_process'])} / "
+                   f"{_megabytes(sent['interface_bytes_per_process'])}")
+        cells.append(cell)
+      lines.append(f"| {MODELS[model]} | {LINKS[link]} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -401,6 +427,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cpu-floor": cpu_floor,
     "timeline-check": timeline_check,
     "h200-update": h200_update,
+    "nodes-measured": nodes_measured,
 }
 
 
