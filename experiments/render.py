@@ -412,6 +412,45 @@ def nodes_measured() -> str:
   return "\n".join(lines)
 
 
+def _seed_runs(folder: str) -> dict:
+  """(method, seed) -> run of an accuracy merge's results.json."""
+  return {(r["method"], r["seed"]): r for r in _load(RESULTS / folder / "results.json")["results"]}
+
+
+def _paired(runs: dict, method: str, measure: Callable) -> tuple[str, str]:
+  """Method minus dense per seed, in points: (mean ± sd, the per-seed list)."""
+  import statistics  # pylint: disable=g-import-not-at-top
+
+  gaps = [100 * (measure(runs[(method, s)]) - measure(runs[("dense", s)]))
+          for m, s in sorted(runs) if m == method and ("dense", s) in runs]
+  mean = f"{statistics.mean(gaps):+.1f} ± {statistics.stdev(gaps):.1f}"
+  return mean.replace("-", "−"), " / ".join(f"{g:+.1f}" for g in gaps).replace("-", "−")
+
+
+def subset_budget() -> str:
+  """The subset at 120 and 60 epochs: dense's accuracy, and DLGS-head's and Top-k's paired gaps."""
+  import statistics  # pylint: disable=g-import-not-at-top
+
+  final = lambda run: run["summary"]["final_test_accuracy"]  # noqa: E731
+  last12 = lambda run: statistics.mean(e["test_accuracy"] for e in run["epochs"][-12:])  # noqa: E731
+
+  def dense(runs):
+    accs = [100 * final(r) for (m, _), r in sorted(runs.items()) if m == "dense"]
+    return f"{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f}%"
+
+  long, short = _seed_runs("accuracy_120ep_seeds"), _seed_runs("accuracy_60ep_seeds")
+  head, per_seed = _paired(long, "dlgs-head", final)
+  lines = ["| budget | seeds | dense | DLGS-head − dense | Top-k − dense | results |",
+           "|---|---|---|---|---|---|",
+           f"| 120 epochs | 0-3 | {dense(long)} | {head} ({per_seed}) | - | "
+           "`accuracy_120ep_seeds/` |",
+           f"| 120 epochs, mean of the last 12 epochs | 0-3 | | "
+           f"{_paired(long, 'dlgs-head', last12)[0]} | - | same |",
+           f"| 60 epochs | 0-2 | {dense(short)} | {_paired(short, 'dlgs-head', final)[0]} | "
+           f"{_paired(short, 'topk', final)[0]} | `accuracy_60ep_seeds/` |"]
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -428,6 +467,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "timeline-check": timeline_check,
     "h200-update": h200_update,
     "nodes-measured": nodes_measured,
+    "subset-budget": subset_budget,
 }
 
 
