@@ -451,6 +451,47 @@ def subset_budget() -> str:
   return "\n".join(lines)
 
 
+def _share_range(values: list) -> str:
+  low, high = f"{100 * min(values):.1f}", f"{100 * max(values):.1f}"
+  return f"{low}%" if low == high else f"{low}-{high}%"
+
+
+def threshold_rules() -> str:
+  """The subset at 20 epochs: each threshold rule's accuracy, its gap to the refresh rule, stats."""
+  import statistics  # pylint: disable=g-import-not-at-top
+
+  rules = _load(RESULTS / "accuracy_thresholds" / "results.json")["results"]
+  planned = _load(RESULTS / "accuracy_planned" / "results.json")["results"]
+  runs = {(r["method"], r["density"], r["seed"]): r["summary"] for r in rules}
+  runs.update({("dlgs", r["density"], r["seed"]): r["summary"] for r in planned})
+  lines = ["| density | rule | groups | final accuracy | − refresh rule, paired | exact, leaves "
+           "| exact, values | sent / k |", "|---|---|---|---|---|---|---|---|"]
+  for density in (0.1, 0.01):
+    refresh = {s: x for (m, d, s), x in runs.items() if m == "dlgs-refresh" and d == density}
+    for method, label, groups in (("dlgs", "default (adapted)", "one"),
+                                  ("dlgs-refresh", "refresh rule", "per leaf"),
+                                  ("dlgs-paper", "paper's rule", "per leaf")):
+      seeds = {s: x for (m, d, s), x in runs.items() if m == method and d == density}
+      accs = [100 * x["final_test_accuracy"] for _, x in sorted(seeds.items())]
+      gaps = [100 * (seeds[s]["final_test_accuracy"] - refresh[s]["final_test_accuracy"])
+              for s in sorted(seeds) if s in refresh]
+      gap = "-"
+      if method != "dlgs-refresh":
+        detail = (" / ".join(f"{g:+.1f}" for g in gaps) if len(gaps) <= 3
+                  else f"{len(gaps)} seeds")
+        gap = f"{statistics.mean(gaps):+.1f} ({detail})".replace("-", "−")
+      stats = [x["threshold_stats"] for x in seeds.values() if x.get("threshold_stats")]
+      leaves = _share_range([t["exact_share"] for t in stats])
+      # The paper's rule recomputes every leaf on the same step: its values share is its leaves'.
+      values = ([t["exact_values_share"] for t in stats] if method == "dlgs"
+                else [t["exact_share"] for t in stats] if method == "dlgs-paper" else [])
+      shown = f"{100 * statistics.mean(values):.1f}%" if values else "-"
+      sent = statistics.mean(t["sent_over_k_mean"] for t in stats)
+      lines.append(f"| {density:g} | {label} | {groups} | {statistics.mean(accs):.1f} ± "
+                   f"{statistics.stdev(accs):.1f}% | {gap} | {leaves} | {shown} | {sent:.2f} |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
@@ -468,6 +509,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "h200-update": h200_update,
     "nodes-measured": nodes_measured,
     "subset-budget": subset_budget,
+    "threshold-rules": threshold_rules,
 }
 
 
