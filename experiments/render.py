@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -38,6 +39,16 @@ SPARSE = (("dlgs", "DLGS default"), ("dlgs-paper", "DLGS, paper's rule"), ("topk
 
 def _load(path: Path) -> Optional[dict]:
   return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _final(summary: dict) -> float:
+  return summary["final_test_accuracy"]
+
+
+def _gaps(seeds: dict, reference: dict, measure: Callable = _final) -> list[float]:
+  """Points by which `measure` of each seed's run exceeds the reference's run of that seed."""
+  return [100 * (measure(seeds[s]) - measure(reference[s])) for s in sorted(seeds)
+          if s in reference]
 
 
 def cluster_runs(model: str, link: str) -> tuple[Optional[dict], Optional[dict]]:
@@ -291,8 +302,6 @@ FULL_CIFAR_ROWS = (
 
 def full_cifar() -> str:
   """Full CIFAR-10 per method and seed, the paired gap to dense, bytes and DLGS's thresholds."""
-  import statistics  # pylint: disable=g-import-not-at-top
-
   runs = _load(RESULTS / "accuracy_full" / "table" / "results.json")["results"]
   by = {(r["method"], r["density"], r["seed"]): r["summary"] for r in runs}
   dense = {seed: summary for (m, _, seed), summary in by.items() if m == "dense"}
@@ -304,8 +313,7 @@ def full_cifar() -> str:
              if m == method and d == density}
     cells = [f"{100 * seeds[s]['final_test_accuracy']:.1f}%" if s in seeds else ""
              for s in (0, 1, 2)]
-    gaps = [100 * (seeds[s]["final_test_accuracy"] - dense[s]["final_test_accuracy"])
-            for s in sorted(seeds) if s in dense]
+    gaps = _gaps(seeds, dense)
     gap = (f"{statistics.mean(gaps):+.1f} ± {statistics.stdev(gaps):.1f}".replace("-", "−")
            if method != "dense" and len(gaps) > 1 else "")
     any_run = next(iter(seeds.values()))
@@ -419,19 +427,15 @@ def _seed_runs(folder: str) -> dict:
 
 def _paired(runs: dict, method: str, measure: Callable) -> tuple[str, str]:
   """Method minus dense per seed, in points: (mean ± sd, the per-seed list)."""
-  import statistics  # pylint: disable=g-import-not-at-top
-
-  gaps = [100 * (measure(runs[(method, s)]) - measure(runs[("dense", s)]))
-          for m, s in sorted(runs) if m == method and ("dense", s) in runs]
+  of = lambda name: {s: r for (m, s), r in runs.items() if m == name}  # noqa: E731
+  gaps = _gaps(of(method), of("dense"), measure)
   mean = f"{statistics.mean(gaps):+.1f} ± {statistics.stdev(gaps):.1f}"
   return mean.replace("-", "−"), " / ".join(f"{g:+.1f}" for g in gaps).replace("-", "−")
 
 
 def subset_budget() -> str:
   """The subset at 120 and 60 epochs: dense's accuracy, and DLGS-head's and Top-k's paired gaps."""
-  import statistics  # pylint: disable=g-import-not-at-top
-
-  final = lambda run: run["summary"]["final_test_accuracy"]  # noqa: E731
+  final = lambda run: _final(run["summary"])  # noqa: E731
   last12 = lambda run: statistics.mean(e["test_accuracy"] for e in run["epochs"][-12:])  # noqa: E731
 
   def dense(runs):
@@ -458,8 +462,6 @@ def _share_range(values: list) -> str:
 
 def threshold_rules() -> str:
   """The subset at 20 epochs: each threshold rule's accuracy, its gap to the refresh rule, stats."""
-  import statistics  # pylint: disable=g-import-not-at-top
-
   rules = _load(RESULTS / "accuracy_thresholds" / "results.json")["results"]
   planned = _load(RESULTS / "accuracy_planned" / "results.json")["results"]
   runs = {(r["method"], r["density"], r["seed"]): r["summary"] for r in rules}
@@ -473,8 +475,7 @@ def threshold_rules() -> str:
                                   ("dlgs-paper", "paper's rule", "per leaf")):
       seeds = {s: x for (m, d, s), x in runs.items() if m == method and d == density}
       accs = [100 * x["final_test_accuracy"] for _, x in sorted(seeds.items())]
-      gaps = [100 * (seeds[s]["final_test_accuracy"] - refresh[s]["final_test_accuracy"])
-              for s in sorted(seeds) if s in refresh]
+      gaps = _gaps(seeds, refresh)
       gap = "-"
       if method != "dlgs-refresh":
         detail = (" / ".join(f"{g:+.1f}" for g in gaps) if len(gaps) <= 3
