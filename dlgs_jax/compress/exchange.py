@@ -86,20 +86,18 @@ def sparse_exchange(
       count = jnp.sum(jnp.minimum(chosen.passed,
                                   jnp.asarray(select.capacities(layout, group), jnp.int32)))
       bytes_out = bytes_in = wire.allgather_bytes(positions.shape[0], workers, wire_dtype)
-    elif collective == "owners":
-      k = select.group_k(layout, group)
-      mean, sent = owners.owners_mean(flat, values, positions, k, axis_name=axis_name,
-                                      apply=applied)
-      kept = jnp.zeros((), jnp.float32)
-      count = selection.count_valid(sent, length)
-      bytes_out = bytes_in = wire.owners_bytes(positions.shape[0], k, workers)
     else:
+      # Both agree on about k positions and take every worker's whole value there:
+      # those leave every residual, whole.
       k = select.group_k(layout, group)
-      mean, sent = collectives.gtopk_mean(flat, values, positions, k, axis_name=axis_name,
-                                          apply=applied)
+      agree = owners.owners_mean if collective == "owners" else collectives.gtopk_mean
+      mean, sent = agree(flat, values, positions, k, axis_name=axis_name, apply=applied)
       kept = jnp.zeros((), jnp.float32)
       count = selection.count_valid(sent, length)
-      bytes_out, bytes_in = wire.gtopk_bytes(k, workers, collectives.worker_index(axis_name))
+      if collective == "owners":
+        bytes_out = bytes_in = wire.owners_bytes(positions.shape[0], k, workers)
+      else:
+        bytes_out, bytes_in = wire.gtopk_bytes(k, workers, collectives.worker_index(axis_name))
     residuals.append(_written(flat, sent, kept, length, applied,
                               None if previous is None else previous[group]))
     means.append(mean)
