@@ -26,6 +26,7 @@ class Exchanged(NamedTuple):
   bytes_sent: jax.Array      # float32[]: bytes this worker put on the wire
   bytes_received: jax.Array  # float32[]: bytes this worker took off the wire
   applied: jax.Array         # bool[]: the step counted (every worker's gradients and message finite)
+  owner_thresholds: list     # per group, float32[]: the owners' global threshold after the step ("owners"; [] otherwise)
 
 
 def sparse_exchange(
@@ -39,6 +40,8 @@ def sparse_exchange(
     wire_dtype: str = "float32",
     previous: Optional[Sequence[jax.Array]] = None,
     skip_nonfinite: bool = False,
+    owner_thresholds: Optional[Sequence[jax.Array]] = None,
+    exact: Optional[jax.Array] = None,
 ) -> Exchanged:
   """One sparse communication step over all groups, each in its flat buffer.
 
@@ -57,7 +60,7 @@ def sparse_exchange(
   Args:
     layout: the static layout.
     select: the selection rule.
-    collective: "allgather", "gtopk" or "owners" (`owners.owners_mean`).
+    collective: "allgather", "gtopk" or "owners" (`owners`).
     accumulated: per group, g = residual + gradient laid out in its buffer (float32).
     picked: per group, what `engine.pick` chose.
     axis_name: the data-parallel axis.
@@ -67,17 +70,34 @@ def sparse_exchange(
       (needed with `skip_nonfinite`).
     skip_nonfinite: skip steps whose values are not finite; False: every
       step is applied.
+    owner_thresholds: with "owners", per group the global threshold the
+      owners keep by when the step is not `exact`.
+    exact: with "owners", a bool scalar, the same on every worker: the owners
+      keep their regions' exact top and measure the thresholds anew; None:
+      every step is exact.
 
   Returns:
     `Exchanged`.
   """
   applied = common.all_finite(accumulated, axis_name) if skip_nonfinite else None
   workers = collectives.num_workers(axis_name)
+  ks = [select.group_k(layout, group) for group in range(len(accumulated))]
+  values_of = [flat.at[chosen.positions].get(mode="fill", fill_value=0.0)
+               for flat, chosen in zip(accumulated, picked)]
+  if collective == "owners":
+    # Every group's pairs reach their owners before the one conditional that
+    # keeps what every owner keeps (`owners.keep`).
+    received = [owners.to_owners(values, chosen.positions, flat.shape[0], axis_name=axis_name)
+                for flat, chosen, values in zip(accumulated, picked, values_of)]
+    owned, found = owners.keep(received, [flat.shape[0] for flat in accumulated], ks,
+                               axis_name=axis_name, exact=exact, thresholds=owner_thresholds)
   means, residuals, selected, passed, sent_bytes, received_bytes = [], [], [], [], [], []
+  thresholds = []
   for group, (flat, chosen) in enumerate(zip(accumulated, picked)):
     length = flat.shape[0]
     positions = chosen.positions
-    values = flat.at[positions].get(mode="fill", fill_value=0.0)
+    values = values_of[group]
+    k = ks[group]
     if collective == "allgather":
       mean = collectives.sparse_allgather_mean(values, positions, length, axis_name=axis_name,
                                                wire_dtype=wire_dtype, apply=applied)
@@ -89,15 +109,18 @@ def sparse_exchange(
     else:
       # Both agree on about k positions and take every worker's whole value there:
       # those leave every residual, whole.
-      k = select.group_k(layout, group)
-      agree = owners.owners_mean if collective == "owners" else collectives.gtopk_mean
-      mean, sent = agree(flat, values, positions, k, axis_name=axis_name, apply=applied)
-      kept = jnp.zeros((), jnp.float32)
-      count = selection.count_valid(sent, length)
       if collective == "owners":
+        mean, sent, measured = owners.share(flat, owned[group], found[group],
+                                            axis_name=axis_name, apply=applied)
+        thresholds.append(measured if exact is None
+                          else jnp.where(exact, measured, owner_thresholds[group]))
         bytes_out = bytes_in = wire.owners_bytes(positions.shape[0], k, workers)
       else:
+        mean, sent = collectives.gtopk_mean(flat, values, positions, k, axis_name=axis_name,
+                                            apply=applied)
         bytes_out, bytes_in = wire.gtopk_bytes(k, workers, collectives.worker_index(axis_name))
+      kept = jnp.zeros((), jnp.float32)
+      count = selection.count_valid(sent, length)
     residuals.append(_written(flat, sent, kept, length, applied,
                               None if previous is None else previous[group]))
     means.append(mean)
@@ -107,7 +130,7 @@ def sparse_exchange(
     received_bytes.append(bytes_in)
   return Exchanged(means, residuals, jnp.stack(selected), jnp.stack(passed),
                    _total(sent_bytes), _total(received_bytes),
-                   jnp.ones((), jnp.bool_) if applied is None else applied)
+                   jnp.ones((), jnp.bool_) if applied is None else applied, thresholds)
 
 
 def _total(amounts) -> jax.Array:

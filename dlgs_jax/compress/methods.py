@@ -53,7 +53,10 @@ class MethodConfig:
     send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
       layer (found from the backward order).
     collective: Top-k, LAGS, DLGS: ``"allgather"``, ``"owners"`` (bytes flat in
-      the workers, `compress.owners`) or (LAGS, DLGS) ``"gtopk"``.
+      the workers, `compress.owners`), (LAGS, DLGS) ``"gtopk"``, or
+      ``"auto"``: the fastest of those on the run's modelled network
+      (`planning.choice.for_method`), which a run resolves before it builds
+      the transform.
     dgc_warmup_epochs: DGC: epochs of exponential density warm-up.
     terngrad_clip: TernGrad: clip at this many standard deviations (0: none).
     wire_dtype: dense, Top-k, LAGS, DLGS: the values' dtype on the wire,
@@ -96,9 +99,9 @@ class MethodConfig:
                         "set (--refresh-below 0.5); the paper's schedule (none) has none")
     if self.min_ndim < 0:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
-    if self.collective not in engine.SPARSE_COLLECTIVES:
+    if self.collective not in engine.SPARSE_COLLECTIVES + (AUTO,):
       raise ConfigError("collective", self.collective,
-                        f"choose {' or '.join(engine.SPARSE_COLLECTIVES)}")
+                        f"choose {', '.join(engine.SPARSE_COLLECTIVES)} or {AUTO}")
     if self.collective != "allgather" and "collective" not in self.spec.options:
       raise ConfigError("collective", self.collective,
                         f"applies to {', '.join(names(collective=True))}, not {self.name}")
@@ -207,8 +210,25 @@ class MethodConfig:
       momentum: DGC's momentum (DGC holds the momentum itself).
     """
     self.validate()
+    if self.collective == AUTO:
+      raise ConfigError("collective", AUTO, "is chosen by a run on its network (dlgs-train "
+                        "--collective auto --bandwidth ...); a transform needs one of "
+                        f"{', '.join(engine.SPARSE_COLLECTIVES)}")
     return self.spec.build(self, _BuildContext(axis_name, groups, list(order), seed,
                                                warmup_steps, momentum))
+
+
+# The collective a run chooses on its network (`planning.choice.for_method`).
+AUTO = "auto"
+
+
+def takes(method: str, collective: str) -> bool:
+  """Whether `method` (a key of `METHODS`) can send by `collective`."""
+  try:
+    MethodConfig(method, collective=collective).validate()
+  except ConfigError:
+    return False
+  return collective != AUTO
 
 
 @dataclasses.dataclass(frozen=True)

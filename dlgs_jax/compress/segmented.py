@@ -316,6 +316,12 @@ def top(flat: jax.Array, segs: Segments, ks: Sequence[int], capacities: Sequence
     ``(positions, passed)`` as `compact`.
   """
   found = exact_thresholds(flat, segs, ks, [False] * len(ks) if whole is None else whole)
+  return top_at(flat, found, segs, capacities)
+
+
+def top_at(flat: jax.Array, found: jax.Array, segs: Segments, capacities: Sequence[int]
+           ) -> tuple[jax.Array, jax.Array]:
+  """`top` once its exact thresholds are known (float32 [L], `exact_thresholds`)."""
   at_or_above = pack(flat, found, segs)
   above = pack(flat, jnp.nextafter(found, jnp.inf), segs)
   return compact_top(above, at_or_above & ~above, segs, capacities)

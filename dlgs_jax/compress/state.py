@@ -82,6 +82,7 @@ class DLGSState(NamedTuple):
   residuals: tuple   # per group, float32[buffer] (the residual dtype): error feedback e, what was not sent yet
   thresholds: tuple  # per group, float32[leaves]: H_l of its leaves, exact every `every` steps
   stats: CommStats
+  owner_thresholds: tuple = ()  # per group, float32[]: the owners' global threshold, exact every `every` steps (collective "owners"; () otherwise)
 
 
 class SparseState(NamedTuple):
@@ -89,6 +90,7 @@ class SparseState(NamedTuple):
   count: jax.Array   # int32[]: steps taken (skipped steps not counted)
   residuals: tuple   # per group, float32[buffer] (the residual dtype): error feedback e
   stats: CommStats
+  owner_thresholds: tuple = ()  # per group, float32[]: the owners' global threshold of the last step (collective "owners"; () otherwise)
 
 
 class DenseState(NamedTuple):

@@ -72,6 +72,9 @@ def _sparse_transform(
   """Residual + selection + sparse collective; a "threshold" selection keeps DLGS thresholds."""
   with_thresholds = select.kind == "threshold"
   reuse_every = select.rule.every if with_thresholds else None
+  # The owners reuse their global threshold as the method reuses its own:
+  # DLGS's period; Top-k and LAGS select exactly on every step.
+  with_owners = collective == "owners"
   wire_dtype = common.check_sparse_wire(wire_dtype, collective)
   residual_dtype = common.check_residual_dtype(residual_dtype)
   axis_name = common.check_axis_name(axis_name)
@@ -86,11 +89,14 @@ def _sparse_transform(
                       for g in range(len(layout.groups)))
     count = jnp.zeros((), jnp.int32)
     stats = empty_stats(layout.group_paths(), layout.group_shapes())
+    # 0 until an exact step has measured them.
+    owner_thresholds = (tuple(jnp.zeros((), jnp.float32) for _ in layout.groups)
+                        if with_owners else ())
     if with_thresholds:
       thresholds = tuple(engine.initial_thresholds(layout, g)
                          for g in range(len(layout.groups)))
-      return DLGSState(count, residuals, thresholds, stats)
-    return SparseState(count, residuals, stats)
+      return DLGSState(count, residuals, thresholds, stats, owner_thresholds)
+    return SparseState(count, residuals, stats, owner_thresholds)
 
   def update_fn(updates, state, params=None):
     del params
@@ -103,9 +109,15 @@ def _sparse_transform(
       accumulated.append(flat)
       picked.append(engine.pick(select, layout, group, flat,
                                 state.thresholds[group] if with_thresholds else None))
+    owners_exact = None
+    if with_owners and with_thresholds:
+      # A threshold never measured (0: a fresh or resharded state) is measured now.
+      owners_exact = ((state.count % reuse_every == 0)
+                      | jnp.any(jnp.stack(state.owner_thresholds) <= 0))
     out = exchange.sparse_exchange(
         layout, select, collective, accumulated, picked, axis_name=axis_name,
-        wire_dtype=wire_dtype, previous=state.residuals, skip_nonfinite=skip_nonfinite)
+        wire_dtype=wire_dtype, previous=state.residuals, skip_nonfinite=skip_nonfinite,
+        owner_thresholds=state.owner_thresholds if with_owners else None, exact=owners_exact)
     applied = out.applied
     keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(applied, a, b), new, old)
     exact = jnp.zeros((), jnp.int32)
@@ -119,12 +131,14 @@ def _sparse_transform(
     residuals = tuple(r.astype(old.dtype) for r, old in zip(residuals, state.residuals))
     thresholds = (tuple(keep(new, old) for new, old in zip(settled, state.thresholds))
                   if with_thresholds else None)
-    residuals, thresholds, stats, count = common.as_varying(
-        (residuals, thresholds, stats, count), axis_name)
+    owner_thresholds = tuple(keep(new, old) for new, old in
+                             zip(out.owner_thresholds, state.owner_thresholds))
+    residuals, thresholds, stats, count, owner_thresholds = common.as_varying(
+        (residuals, thresholds, stats, count, owner_thresholds), axis_name)
     new_updates = jax.tree_util.tree_unflatten(layout.treedef, sent)
     if with_thresholds:
-      return new_updates, DLGSState(count, residuals, thresholds, stats)
-    return new_updates, SparseState(count, residuals, stats)
+      return new_updates, DLGSState(count, residuals, thresholds, stats, owner_thresholds)
+    return new_updates, SparseState(count, residuals, stats, owner_thresholds)
 
   return common.with_passive_leaves(optax.GradientTransformation(init_fn, update_fn), axis_name,
                                     DLGSState if with_thresholds else SparseState, method)

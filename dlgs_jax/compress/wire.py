@@ -109,7 +109,7 @@ def owner_share(k: int, workers: int) -> int:
 
 
 def owners_bytes(pairs: int, k: int, workers: int) -> float:
-  """Bytes sent (= received) per worker by `owners.owners_mean`: flat in P.
+  """Bytes sent (= received) per worker by the owners' exchange (`owners`): flat in P.
 
   Args:
     pairs: the pairs a worker selects (its message's slots).
@@ -118,15 +118,16 @@ def owners_bytes(pairs: int, k: int, workers: int) -> float:
 
   Returns:
     The all-to-all's ``(P-1)·S`` pairs (S slots per owner), the all-gather of
-    every owner's ``ceil(k/P)`` indices and the all-reduce of the values there:
-    about ``16·pairs + 12·k``.
+    every owner's ``ceil(k/P)`` indices, and the all-reduce of the values
+    there (and of the owners' thresholds' sum and count): about
+    ``16·pairs + 12·k``.
   """
   if workers <= 1:
     return 0.0
   share = owner_share(k, workers)
   return (float((workers - 1) * owner_slots(pairs, workers) * PAIR_BYTES)
           + float((workers - 1) * share * INDEX_BYTES)
-          + allreduce_bytes(workers * share, workers))
+          + allreduce_bytes(workers * share + 2, workers))
 
 
 def packed_allgather_bytes(num_bytes: int, workers: int) -> float:

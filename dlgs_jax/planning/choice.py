@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dlgs_jax.compress import selection, wire
+from dlgs_jax.compress import methods, selection, wire
 from dlgs_jax.planning.network import network_comm
 from dlgs_jax.planning.timeline import LinearCost
 
@@ -49,6 +49,29 @@ def fastest(seconds: dict[str, float]) -> str:
   if not seconds:
     raise ValueError("no exchange is priced: the costs hold none of their collectives")
   return min(seconds, key=seconds.get)
+
+
+def for_method(method: str, size: int, density: float, workers: int,
+               comm: dict[str, LinearCost]) -> dict:
+  """``collective="auto"``: each exchange priced, and the fastest that `method` can take.
+
+  Args:
+    method: a key of `compress.methods.METHODS` that takes a collective.
+    size, density, workers, comm: as `exchange_seconds`.
+
+  Returns:
+    ``{"seconds": {choice: seconds}, "fastest": the fastest choice (dense
+    bfloat16 among them), "collective": the fastest `method` takes}``.
+
+  Raises:
+    ValueError: when `comm` prices none of the exchanges `method` takes.
+  """
+  seconds = exchange_seconds(size, density, workers, comm)
+  taken = {name: t for name, t in seconds.items() if methods.takes(method, name)}
+  if not taken:
+    raise ValueError(f"the costs price none of {method}'s exchanges "
+                     f"({', '.join(c for c in CHOICES if methods.takes(method, c))})")
+  return {"seconds": seconds, "fastest": fastest(seconds), "collective": fastest(taken)}
 
 
 def choose(size: int, density: float, workers: int, comm: dict[str, LinearCost]) -> str:

@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any, Optional
 
-from dlgs_jax.compress.methods import ConfigError, MethodConfig
+from dlgs_jax.compress.methods import AUTO, ConfigError, MethodConfig
 from dlgs_jax.compress.optimizer import OptimizerConfig
 from dlgs_jax.planning import planner
 from dlgs_jax.training.distributed import INIT_TIMEOUT
@@ -449,9 +449,14 @@ def check_used(config: RunConfig, given: Optional[dict[str, Any]] = None) -> Non
                         f"applies to {', '.join(takers)}, not {method.name}; the run would "
                         f"ignore it")
   plan = config.plan
+  auto = method.collective == AUTO
+  if auto and plan.bandwidth is None:
+    raise ConfigError("collective", AUTO, "prices the exchanges on a modelled network: give "
+                      "--bandwidth (and --latency) for the links between workers")
   if plan.planner == "none":
     for option in set_in("plan", PlanConfig()):
-      if option in PLANNER_OPTIONS:
+      # The network model is read by the collective's choice too.
+      if option in PLANNER_OPTIONS and not (auto and option in ("bandwidth", "latency")):
         raise ConfigError(option, getattr(plan, option),
                           f"is read by a planner only: give --planner (one of "
                           f"{PLANNERS[1:]}), or drop it")

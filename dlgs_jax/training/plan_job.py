@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from dlgs_jax.compress import engine, methods
+from dlgs_jax.compress import methods
 from dlgs_jax.compress.methods import ConfigError, MethodConfig
 from dlgs_jax.planning import choice, network, planner, timeline
 from dlgs_jax.planning.timeline import MethodCosts, Profile, simulate
@@ -85,12 +85,7 @@ class PlanConfig:
     if self.planner not in planner.PLANNERS:
       raise ConfigError("planner", self.planner, f"choose one of {planner.PLANNERS}")
     MethodConfig(self.method, density=self.density, reuse_every=self.reuse_every,
-                 collective="allgather" if self.collective == "auto" else self.collective
-                 ).validate()
-    if self.collective == "auto" and "collective" not in methods.METHODS[self.method].options:
-      raise ConfigError("collective", self.collective,
-                        f"applies to {', '.join(methods.names(collective=True))}, not "
-                        f"{self.method}")
+                 collective=self.collective).validate()
     if self.refresh_below is not None and not 0.0 <= self.refresh_below <= 1.0:
       raise ConfigError("refresh_below", self.refresh_below,
                         "must be a number in [0, 1] or None")
@@ -192,29 +187,22 @@ def costs_of(config: PlanConfig, profile: Profile, progress=print) -> MethodCost
                      collective=collective, **exchange)
 
 
-def _takes(method: str, collective: str) -> bool:
-  try:
-    MethodConfig(method, collective=collective).validate()
-  except ConfigError:
-    return False
-  return True
-
-
 def chosen_collective(config: PlanConfig, profile: Profile, progress=print) -> dict:
-  """``collective="auto"``: the seconds of each exchange the method can take, and the fastest.
+  """``collective="auto"``: the seconds of each exchange, the fastest, and the method's fastest.
 
   The whole model as one message; dense bfloat16 is among them, for comparison.
   """
   size = sum(profile.sizes)
-  seconds = {name: t for name, t in choice.exchange_seconds(
-      size, config.density, profile.workers, profile.comm).items()
-             if name == "dense-bf16" or _takes(config.method, name)}
-  best = choice.fastest(seconds)
+  priced = choice.for_method(config.method, size, config.density, profile.workers, profile.comm)
+  seconds = {name: t for name, t in priced["seconds"].items()
+             if name == "dense-bf16" or methods.takes(config.method, name)}
   progress(f"one message of {size:,} values at density {config.density:g}, "
            f"{world(config, profile)}: " + ", ".join(
-               f"{name} {t * 1e3:.2f} ms" for name, t in seconds.items()) + f"; fastest: {best}")
+               f"{name} {t * 1e3:.2f} ms" for name, t in seconds.items())
+           + f"; fastest: {choice.fastest(seconds)}; {config.method}'s: {priced['collective']}")
   return {"model": config.model, "density": config.density, "workers": profile.workers,
-          "seconds": seconds, "chosen": best}
+          "seconds": seconds, "chosen": choice.fastest(seconds),
+          "collective": priced["collective"]}
 
 
 def world(config: PlanConfig, profile: Profile) -> str:
@@ -267,8 +255,8 @@ def run(config: PlanConfig, progress=print) -> dict[str, Path]:
   out_dir.mkdir(parents=True, exist_ok=True)
   profile = on_network(config, load_or_measure(config, progress))
   chosen = chosen_collective(config, profile, progress) if config.collective == "auto" else None
-  if chosen and chosen["chosen"] in engine.SPARSE_COLLECTIVES:
-    config = dataclasses.replace(config, collective=chosen["chosen"])
+  if chosen:
+    config = dataclasses.replace(config, collective=chosen["collective"])
   costs = costs_of(config, profile, progress)
   timelines = compare_planners(config, profile, costs, progress)
   plan = planner.make_plan(profile, config.method, config.density, config.planner,

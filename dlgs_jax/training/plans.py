@@ -11,6 +11,7 @@ a node (measured over the local axis).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 from dlgs_jax.planning import network, planner
@@ -68,6 +69,42 @@ def make_or_load_plan(config: RunConfig, mesh, paths: Sequence[str], workers: in
   except ValueError as e:
     raise PlanError(str(e)) from None
   return plan
+
+
+def resolve_collective(config: RunConfig, mesh, workers: int, num_classes: int, log
+                       ) -> RunConfig:
+  """`config` with ``--collective auto`` resolved: the method's fastest exchange on its network.
+
+  The exchanges are priced on the modelled network (``--bandwidth``,
+  ``--latency``), so every process, and a resumed run, chooses alike. With
+  two levels, each device sends its slice between nodes and shares its
+  node's link.
+  """
+  import dataclasses
+
+  from dlgs_jax.compress import methods
+  from dlgs_jax.planning import choice
+  from dlgs_jax.workload import models, parallel
+
+  method = config.method
+  if method.collective != methods.AUTO:
+    return config
+  fast_size = parallel.devices_per_node(mesh)
+  between = workers // fast_size
+  comm = network.network_comm(between, network.parse_bandwidth(config.plan.bandwidth) / fast_size,
+                              config.plan.latency)
+  shapes = models.leaf_shapes(config.model.name, num_classes=num_classes,
+                             image_size=config.data.image_size)
+  size = -(-sum(math.prod(shape) for shape in shapes.values()) // fast_size)
+  priced = choice.for_method(method.name, size, method.density, between, comm)
+  log(f"--collective auto: one message of {size:,} values at density {method.density:g} over "
+      f"{between} {'nodes' if fast_size > 1 else 'workers'} at {config.plan.bandwidth}: "
+      + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in priced["seconds"].items())
+      + f"; {method.name} sends by {priced['collective']}")
+  if priced["fastest"] != priced["collective"]:
+    log(f"note: {priced['fastest']} would be faster than any exchange {method.name} takes")
+  return dataclasses.replace(
+      config, method=dataclasses.replace(method, collective=priced["collective"]))
 
 
 def _fast_link(config: RunConfig, mesh, total: int, log):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from dlgs_jax.compress.optimizer import build_optimizer
 from dlgs_jax.training.config import CIFAR_MODELS, INT32_MAX, RunConfig
-from dlgs_jax.training.plans import backward_order_of, make_or_load_plan
+from dlgs_jax.training.plans import backward_order_of, make_or_load_plan, resolve_collective
 
 
 class RunError(Exception):
@@ -200,6 +200,9 @@ def build_run(config: RunConfig) -> Run:
   two_level = len(mesh.axis_names) == 2
   simulated = config.processes.simulate_workers
   axis, workers = parallel.data_axes(mesh), simulated or int(mesh.devices.size)
+  leader = jax.process_index() == 0
+  log = (lambda m: print(m, flush=True)) if leader else (lambda m: None)
+  config = resolve_collective(config, mesh, workers, train_set.num_classes, log)
   model, _ = models.create_model(config.model.name, num_classes=train_set.num_classes,
                                  bn_axis_name=axis if config.model.sync_bn else None)
   try:
@@ -216,8 +219,6 @@ def build_run(config: RunConfig) -> Run:
   # Traced outside shard_map, so without the SyncBN axis (same parameters).
   order = backward_order_of(model.clone(bn_axis_name=None), variables["params"],
                             variables.get("batch_stats", {}), sample.shape)
-  leader = jax.process_index() == 0
-  log = (lambda m: print(m, flush=True)) if leader else (lambda m: None)
   if note:
     log(note)
   plan = make_or_load_plan(config, mesh, grouping.leaf_paths(variables["params"]), workers, log)

@@ -72,6 +72,24 @@ def test_every_method_trains_and_logs(tmp_path, method):
 
 
 @pytest.mark.slow
+def test_auto_trains_by_the_exchange_its_network_prices_fastest(tmp_path):
+  """Four workers on 100 Mbit/s links with 1 ms latency: the owners' four latency steps a
+  message cost more than their bytes save, and DLGS sends by the all-gather. The config
+  keeps "auto" (a rerun prices the same network alike); the checkpoint's identity, what
+  a resume must match, records the choice."""
+  result = run_cli([*SMALL, "--method", "dlgs", "--density", "0.05", "--collective", "auto",
+                    "--bandwidth", "100mbit", "--latency", "0.001", "--local-devices", "4",
+                    "--steps", "2", "--check-every", "0", "--workdir", str(tmp_path)])
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  line = next(x for x in result.stdout.splitlines() if x.startswith("--collective auto:"))
+  assert "owners" in line and line.endswith("dlgs sends by allgather")
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["method"]["collective"] == "auto"
+  record = json.loads((tmp_path / "checkpoints" / "2" / "record" / "metadata").read_text())
+  assert record["identity"]["method.collective"] == "allgather"
+
+
+@pytest.mark.slow
 def test_killed_or_stopped_runs_resume_bit_identical_to_an_uninterrupted_one(tmp_path):
   """Killed outright (resumed from the last periodic checkpoint) or stopped by SIGTERM
   (which saves a checkpoint of its own), a DLGS run resumed ends where an uninterrupted
@@ -292,6 +310,10 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
      "--wire-dtype 'bfloat16' is invalid: applies to dense, topk, lags, dlgs, not gtopk"),
     (["--collective", "gtopk", "--wire-dtype", "bfloat16"],
      "--wire-dtype 'bfloat16' is invalid: needs the all-gather"),
+    (["--collective", "auto"], "--collective 'auto' is invalid: prices the exchanges on a "
+     "modelled network: give --bandwidth"),
+    (["--method", "dense", "--collective", "auto", "--bandwidth", "1gbit"],
+     "--collective 'auto' is invalid: applies to topk, lags, dlgs, not dense"),
 ])
 def test_bad_flags_are_named(flags, message):
   with pytest.raises(SystemExit, match=re.escape(message)):

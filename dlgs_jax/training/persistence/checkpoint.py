@@ -243,16 +243,18 @@ class Checkpointer:
     try:
       return restore(abstract)
     except ValueError as error:
-      older = _older_field_names(abstract)
-      if older is None:
-        raise
       first = error
-    # Same arrays in the same order: only the name orbax keys them by differs.
-    try:
-      saved = restore(dict(zip(older, abstract)))
-    except ValueError:
-      raise first from None
-    return type(abstract)(*(saved[name] for name in older))
+    # The same arrays in the same order: only the names orbax keys them by
+    # differ, or the fields added since (which hold no arrays) are missing.
+    for dropped in (False, True):
+      older = _as_older(abstract, dropped)
+      if older is None:
+        continue
+      try:
+        return _from_older(abstract, restore(older), dropped)
+      except ValueError:
+        pass
+    raise first
 
   def _step(self, step: Optional[int]) -> int:
     step = self.latest_step() if step is None else step
@@ -266,11 +268,58 @@ class Checkpointer:
 OLDER_FIELD_NAMES = {"model_state": "batch_stats"}
 
 
-def _older_field_names(state: Any) -> Optional[list[str]]:
-  """`state`'s field names as older checkpoints wrote them; None if none changed."""
-  fields = list(getattr(state, "_fields", ()))
-  older = [OLDER_FIELD_NAMES.get(name, name) for name in fields]
-  return older if older != fields else None
+def _added_since(node: Any, name: str, value: Any) -> bool:
+  """Whether field `name` is one older checkpoints lack: empty, and empty by default."""
+  default = getattr(type(node), "_field_defaults", {}).get(name, None)
+  return (isinstance(value, tuple) and not value and isinstance(default, tuple)
+          and not default)
+
+
+def _changed(node: Any, dropped: bool) -> bool:
+  return any(OLDER_FIELD_NAMES.get(name, name) != name
+             or (dropped and _added_since(node, name, value))
+             for name, value in zip(node._fields, node))
+
+
+def _as_older(tree: Any, dropped: bool) -> Optional[Any]:
+  """`tree` as older checkpoints laid it out, or None where that is `tree` itself.
+
+  A named tuple with a renamed field becomes a dict under the older names;
+  with `dropped`, so does one with a field added since (an empty tuple by
+  default, as `DLGSState.owner_thresholds` is for most exchanges), without it.
+  """
+  def walk(node):
+    if hasattr(node, "_fields"):
+      children = {name: walk(value) for name, value in zip(node._fields, node)}
+      if not _changed(node, dropped):
+        return type(node)(**children)
+      return {OLDER_FIELD_NAMES.get(name, name): value for name, value in children.items()
+              if not (dropped and _added_since(node, name, getattr(node, name)))}
+    if isinstance(node, (list, tuple)):
+      return type(node)(walk(value) for value in node)
+    if type(node) is dict:
+      return {key: walk(value) for key, value in node.items()}
+    return node
+
+  older = walk(tree)
+  same = jax.tree_util.tree_structure(older) == jax.tree_util.tree_structure(tree)
+  return None if same else older
+
+
+def _from_older(template: Any, saved: Any, dropped: bool) -> Any:
+  """`_as_older`'s inverse: `saved` laid out as `template`, the added fields empty."""
+  if hasattr(template, "_fields"):
+    if not _changed(template, dropped):
+      return type(template)(*(_from_older(t, s, dropped) for t, s in zip(template, saved)))
+    return type(template)(**{
+        name: () if dropped and _added_since(template, name, value)
+        else _from_older(value, saved[OLDER_FIELD_NAMES.get(name, name)], dropped)
+        for name, value in zip(template._fields, template)})
+  if isinstance(template, (list, tuple)):
+    return type(template)(_from_older(t, s, dropped) for t, s in zip(template, saved))
+  if type(template) is dict:
+    return {key: _from_older(value, saved[key], dropped) for key, value in template.items()}
+  return saved
 
 
 def _everywhere(ok: bool) -> bool:

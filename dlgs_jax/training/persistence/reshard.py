@@ -186,6 +186,10 @@ def _move_node(old: Any, new: Any, shapes: dict, old_fast: int, new_fast: int) -
       fields[name] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(wanted), rows)
     elif name == "thresholds" and flat:
       fields[name] = _thresholds_by_path(old, new)
+    elif len(jax.tree_util.tree_leaves(saved)) != len(jax.tree_util.tree_leaves(wanted)):
+      # Another exchange's field (the owners' thresholds, with another number of
+      # groups or none saved): the new state's, measured afresh.
+      fields[name] = wanted
     else:
       # Leaf by leaf: the groups' static labels (shapes of slices or of whole
       # leaves) are the new state's.

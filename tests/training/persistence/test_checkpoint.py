@@ -62,6 +62,28 @@ def test_a_checkpoint_with_the_older_field_name_restores_into_the_step_state(tmp
     ckpt.restore(fresh._replace(params={"other": np.zeros(3, np.float32)}))
 
 
+class OlderDLGSState(NamedTuple):
+  """The DLGS state as checkpoints wrote it before the owners' thresholds."""
+  count: Any
+  residuals: Any
+  thresholds: Any
+  stats: Any
+
+
+def test_a_checkpoint_from_before_a_field_was_added_restores_with_it_empty(tmp_path, states):
+  state, fresh = states
+  dlgs_state = state.opt_state[0]
+  assert dlgs_state.owner_thresholds == ()  # the all-gather's state: nothing to restore
+  older = state._replace(opt_state=(OlderDLGSState(*dlgs_state[:4]), *state.opt_state[1:]))
+  ckpt = checkpoint.Checkpointer(tmp_path, RUN, asynchronous=False)
+  ckpt.save(2, OlderState(*older), data_position={"epoch": 0, "batch": 2})
+  restored, _ = ckpt.restore(fresh)
+  assert type(restored.opt_state[0]) is type(dlgs_state)
+  assert restored.opt_state[0].owner_thresholds == ()
+  for a, b in zip(host(restored), host(state)):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow
 def test_round_trip_restores_everything_bit_for_bit(tmp_path, states):
   state, fresh = states
