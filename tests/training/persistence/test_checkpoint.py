@@ -1,3 +1,4 @@
+import collections
 import gc
 from typing import Any, NamedTuple
 
@@ -8,6 +9,7 @@ import pytest
 
 import dlgs_jax
 from dlgs_jax import training
+from dlgs_jax.compress.state import DLGSState
 from dlgs_jax.training.persistence import checkpoint
 from dlgs_jax.workload import data
 from dlgs_jax.workload import models
@@ -62,18 +64,14 @@ def test_a_checkpoint_with_the_older_field_name_restores_into_the_step_state(tmp
     ckpt.restore(fresh._replace(params={"other": np.zeros(3, np.float32)}))
 
 
-class OlderDLGSState(NamedTuple):
-  """The DLGS state as checkpoints wrote it before the owners' thresholds."""
-  count: Any
-  residuals: Any
-  thresholds: Any
-  stats: Any
+# The DLGS state as checkpoints wrote it before the owners' thresholds.
+OlderDLGSState = collections.namedtuple("OlderDLGSState", DLGSState._fields[:4])
 
 
 def test_a_checkpoint_from_before_a_field_was_added_restores_with_it_empty(tmp_path, states):
   state, fresh = states
   dlgs_state = state.opt_state[0]
-  assert dlgs_state.owner_thresholds == ()  # the all-gather's state: nothing to restore
+  assert DLGSState._fields[4:] == ("owner_thresholds",) and dlgs_state.owner_thresholds == ()
   older = state._replace(opt_state=(OlderDLGSState(*dlgs_state[:4]), *state.opt_state[1:]))
   ckpt = checkpoint.Checkpointer(tmp_path, RUN, asynchronous=False)
   ckpt.save(2, OlderState(*older), data_position={"epoch": 0, "batch": 2})
