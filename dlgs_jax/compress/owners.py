@@ -186,18 +186,20 @@ def keep(received: Sequence[tuple[jax.Array, jax.Array]], sizes: Sequence[int],
   """
   workers = collectives.num_workers(axis_name)
   shares = [wire.owner_share(k, workers) for k in ks]
+  # Both branches typed varying (shard_map's checks) over every axis the pairs
+  # vary over: each owner keeps its own (and, sliced over a node, each slice's).
+  axes = tuple(sorted(set(common.axes_of(axis_name)).union(
+      *(collectives.varying_axes(v) for v, _ in received)), key=str))
 
-  # Both branches typed varying (shard_map's checks): each owner keeps its own.
   def exact_step(_):
     out = [_exact(v, p, size, share) for (v, p), size, share in zip(received, sizes, shares)]
-    return common.as_varying(([kept for kept, _ in out], [found for _, found in out]),
-                             axis_name)
+    return common.as_varying(([kept for kept, _ in out], [found for _, found in out]), axes)
 
   def reused_step(_):
     return common.as_varying(
         ([_passing(v, p, size, share, t)
           for (v, p), size, share, t in zip(received, sizes, shares, thresholds)],
-         [jnp.zeros((), jnp.float32) for _ in received]), axis_name)
+         [jnp.zeros((), jnp.float32) for _ in received]), axes)
 
   if exact is None:
     return exact_step(None)

@@ -36,14 +36,14 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax.compress import collectives, common, exchange
-from dlgs_jax.compress.state import comm_stats_by_path
-from dlgs_jax.workload import parallel, user_loss
+from dlgs_jax.compress.state import comm_stats_by_path, is_per_worker
+from dlgs_jax.workload import fsdp, parallel, user_loss
 from dlgs_jax.workload.user_loss import ModuleState
 
 
 class StepState(NamedTuple):
   """Everything a data-parallel step carries (placed by ``DataParallel.init``)."""
-  params: Any       # replicated parameter tree
+  params: Any       # replicated parameter tree; with an fsdp axis, `fsdp.ShardedParams` (slices over a node)
   model_state: Any  # replicated mutable model state: {} without one, a `ModuleState` for NNX
   opt_state: Any    # the optimizer state: this library's states per worker, the rest replicated
   step: jax.Array   # int32[], replicated: steps taken
@@ -70,15 +70,26 @@ class DataParallel:
   wrt: Any                         # NNX filter of what the gradient and `tx` see
   workers: int                     # workers the step runs
   sync_every: Optional[int]        # CPU meshes: wait for every this many steps (CPU_SYNC_EVERY)
+  fsdp_axis: Optional[str] = None  # the mesh axis of a node's devices, parameters sliced over it (HSDP); None: replicated
   # The jitted step for each structure of the state (and NNX graph): jit's cache.
   programs: dict = dataclasses.field(default_factory=dict, repr=False)
   # Steps dispatched so far: the CPU sync counts them.
   dispatched: list = dataclasses.field(default_factory=lambda: [0], repr=False)
 
   @property
+  def batch_axes(self) -> tuple:
+    """The mesh axes a batch splits over: the data axes, and the fsdp axis (HSDP)."""
+    return common.axes_of(self.axis_name) + ((self.fsdp_axis,) if self.fsdp_axis else ())
+
+  @property
   def batch_sharding(self) -> jax.sharding.NamedSharding:
     """Where a batch leaf goes: its leading axis split over the workers."""
-    return jax.sharding.NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+    return jax.sharding.NamedSharding(self.mesh, PartitionSpec(self.batch_axes))
+
+  def whole_params(self, state: StepState):
+    """The parameters of `state` on the host, whole (with an fsdp axis: gathered from slices)."""
+    params = parallel.fetch(state.params)
+    return fsdp.whole(params) if self.fsdp_axis else params
 
   def init(self, params, model_state=None) -> StepState:
     """The `StepState` at step 0 on the mesh, from parameters or an ``nnx.Module``.
@@ -96,6 +107,8 @@ class DataParallel:
             "init: its non-parameter state is split off and carried for you")
       graph, params, rest = user_loss.split_module(params, self.wrt)
       model_state = ModuleState(rest, graph)
+    if self.fsdp_axis:
+      return sharded_initial_state(self.tx, params, model_state, self.mesh, self.fsdp_axis)
     return initial_state(self.tx, params, model_state, self.mesh, self.workers)
 
   def step(self, state: StepState, batch):
@@ -118,7 +131,7 @@ class DataParallel:
                        "one was made from a parameter tree")
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
-    params, rest = parallel.fetch((state.params, state.model_state.rest))
+    params, rest = self.whole_params(state), parallel.fetch(state.model_state.rest)
     return nnx.merge(state.model_state.graph, params, rest)
 
   def _loss(self, model_state) -> user_loss.Loss:
@@ -129,38 +142,57 @@ class DataParallel:
 
   def local_step(self, state: StepState, batch):
     """One worker's step inside the mapped program (its name is the compiled program's)."""
-    axis_name = self.axis_name
+    axis_name, batch_axes = self.axis_name, self.batch_axes
     key = None
     if self.seed is not None:
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), state.step),
-                               lax.axis_index(axis_name))
+                               lax.axis_index(batch_axes))
+    loss = self._loss(state.model_state)
+    params, opt_state = state.params, parallel.squeeze_state(state.opt_state)
+    if self.fsdp_axis:
+      sharded = params
+      params, loss = fsdp.rows(sharded.slices), _on_slices(loss, sharded, self.fsdp_axis)
+      # The optimizer's own state is a slice's too: one row a device of the node.
+      opt_state = parallel.map_state(lambda x: x, fsdp.rows, opt_state)
     # Under vmap the gradient of unmapped parameters is already each worker's own.
-    varying = (state.params if self.simulate_workers else
-               lax.pcast(state.params, common.axes_of(axis_name), to="varying"))
+    varying = (params if self.simulate_workers else
+               lax.pcast(params, common.axes_of(axis_name), to="varying"))
     grads, value, new_model_state, aux = _accumulate(
-        self._loss(state.model_state), varying, state.model_state, batch, key,
-        self.micro_batches, axis_name)
-    updates, opt_state = self.tx.update(grads, parallel.squeeze_state(state.opt_state),
-                                        state.params)
+        loss, varying, state.model_state, batch, key, self.micro_batches, axis_name)
+    if self.fsdp_axis:
+      # The gather's transpose summed the node's gradients: their mean, as two_level's.
+      size = sharded.size
+      grads = jax.tree_util.tree_map(lambda g: g / size, grads)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
     _check_replicated(updates, opt_state, axis_name)
-    params = optax.apply_updates(state.params, updates)
+    params = optax.apply_updates(params, updates)
+    if self.fsdp_axis:
+      params = fsdp.ShardedParams(fsdp.unrows(params), sharded.shapes, sharded.size)
+      opt_state = parallel.map_state(lambda x: x, fsdp.unrows, opt_state)
     metrics = {"loss": value, **aux, **_comm_metrics(opt_state)}
-    new_model_state, metrics = _average(new_model_state, metrics, axis_name)
+    new_model_state, metrics = _average(new_model_state, metrics, batch_axes)
     new_state = StepState(params, new_model_state, parallel.unsqueeze_state(opt_state),
                           state.step + 1)
     return new_state, metrics
 
   def _program(self, state: StepState) -> Callable:
     """The jitted step for `state`'s structure (compiled on its first call)."""
-    specs = StepState(PartitionSpec(), PartitionSpec(),
-                      parallel.state_specs(state.opt_state, self.axis_name), PartitionSpec())
+    if self.fsdp_axis:
+      sliced = PartitionSpec(self.fsdp_axis)
+      specs = StepState(sliced, PartitionSpec(), parallel.map_state(
+          lambda _: PartitionSpec(self.batch_axes), lambda _: sliced, state.opt_state),
+                        PartitionSpec())
+    else:
+      specs = StepState(PartitionSpec(), PartitionSpec(),
+                        parallel.state_specs(state.opt_state, self.axis_name), PartitionSpec())
     key = (jax.tree_util.tree_structure(specs),
-           jax.tree_util.tree_structure(state.model_state))
+           jax.tree_util.tree_structure(state.model_state),
+           jax.tree_util.tree_structure(state.params))
     if key not in self.programs:
       mapped = (_vmapped(self.local_step, specs, self.workers, self.axis_name)
                 if self.simulate_workers else
                 jax.shard_map(self.local_step, mesh=self.mesh,
-                              in_specs=(specs, PartitionSpec(self.axis_name)),
+                              in_specs=(specs, PartitionSpec(self.batch_axes)),
                               out_specs=(specs, PartitionSpec())))
       self.programs[key] = jax.jit(_batch_checked(mapped, self.workers), donate_argnums=0)
     return self.programs[key]
@@ -186,6 +218,7 @@ def data_parallel(
     micro_batches: int = 1,
     simulate_workers: Optional[int] = None,
     wrt: Any = None,
+    fsdp_axis: Optional[str] = None,
 ) -> DataParallel:
   """Builds a data-parallel training step with gradient communication by `tx`.
 
@@ -232,6 +265,14 @@ def data_parallel(
     wrt: with an ``nnx.Module``, the NNX filter of the variables the gradient
       and `tx` see, as ``nnx.Optimizer``'s (default ``nnx.Param``); the rest
       is model state, averaged over the workers after each step.
+    fsdp_axis: a mesh axis of the devices of a node, for models that do not
+      fit replicated (HSDP, `fsdp`): each of its devices holds a slice of
+      every leaf, of its gradient and of the optimizer's state; the forward
+      pass gathers the leaves over it, the backward pass reduce-scatters the
+      gradient over it (dense), and `tx` exchanges each device's slices over
+      `axis_name` only (default: the other axes), so its transforms take
+      ``axis_name`` the node axis. Per-layer thresholds become per slice of a
+      layer. The batch splits over every device. None: parameters replicated.
 
   Returns:
     A `DataParallel`. ``step(state, batch)``: `batch` is any pytree of arrays
@@ -248,10 +289,17 @@ def data_parallel(
       the workers, a loss of the wrong shape, and a transform that sees each
       worker's own gradient (the optimizer ahead of the compressor).
   """
+  if fsdp_axis is not None:
+    _check_fsdp(fsdp_axis, mesh, axis_name, simulate_workers)
+    if axis_name is None:
+      others = [a for a in mesh.axis_names if a != fsdp_axis]
+      axis_name = others[0] if len(others) == 1 else others
   axis_name = common.check_axis_name(parallel.data_axes(mesh, axis_name))
   if not set(common.axes_of(axis_name)) <= set(mesh.axis_names):
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
   workers = _check_simulated(simulate_workers, mesh, axis_name)
+  if fsdp_axis is not None:
+    workers *= mesh.shape[fsdp_axis]
   if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
     raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
   if not callable(loss_fn):
@@ -264,7 +312,25 @@ def data_parallel(
                       model_state=model_state, has_aux=has_aux, seed=seed,
                       micro_batches=micro_batches, simulate_workers=simulate_workers,
                       wrt=_param_filter() if wrt is None else wrt, workers=workers,
-                      sync_every=sync_every)
+                      sync_every=sync_every, fsdp_axis=fsdp_axis)
+
+
+def _check_fsdp(fsdp_axis, mesh: Mesh, axis_name, simulate_workers) -> None:
+  """Refuses an fsdp axis the mesh lacks, one the data axes name, or simulated workers."""
+  if not isinstance(fsdp_axis, str) or fsdp_axis not in mesh.axis_names:
+    raise ValueError(f"fsdp_axis {fsdp_axis!r} is not an axis of the mesh {mesh.axis_names}: "
+                     f"give the axis of a node's devices, e.g. jax.make_mesh((nodes, "
+                     f"devices), ('data', 'fsdp')) and fsdp_axis='fsdp'")
+  if axis_name is not None and fsdp_axis in common.axes_of(
+      tuple(axis_name) if isinstance(axis_name, list) else axis_name):
+    raise ValueError(f"fsdp_axis {fsdp_axis!r} is also a data axis ({axis_name!r}): the "
+                     f"compressor exchanges over the other axes; drop it from axis_name")
+  if len(mesh.axis_names) < 2:
+    raise ValueError(f"fsdp_axis {fsdp_axis!r} needs a data axis besides it; the mesh has only "
+                     f"{mesh.axis_names}")
+  if simulate_workers is not None:
+    raise ValueError("simulate_workers runs every worker on one device, which holds whole "
+                     "parameters: drop simulate_workers or fsdp_axis")
 
 
 def _param_filter():
@@ -352,6 +418,64 @@ def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: M
                    parallel.replicate({} if model_state is None else model_state, mesh),
                    parallel.place_state(tx.init(params), mesh, workers),
                    parallel.replicate(np.zeros((), np.int32), mesh))
+
+
+def sharded_initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh,
+                          fsdp_axis: str) -> StepState:
+  """The `StepState` at step 0 with parameters sliced over `fsdp_axis` (HSDP).
+
+  Each device of a node holds its slice of every leaf (`fsdp.shard`), and the
+  optimizer's state is that slice's: ``tx.init`` runs on every slice, this
+  library's states then per device over the whole mesh, the rest one row per
+  device of the node.
+
+  Args:
+    tx: the optimizer.
+    params: the whole parameters, the same in every process.
+    model_state: mutable model state (replicated), or None for none.
+    mesh: the device mesh, `fsdp_axis` among its axes.
+    fsdp_axis: the mesh axis of a node's devices.
+  """
+  if isinstance(params, dict) and "batch_stats" in params and "params" in params:
+    return initial_state(tx, params, model_state, mesh)  # its error, named there
+  size = mesh.shape[fsdp_axis]
+  sharded = fsdp.shard(params, size)
+  per_slice = [tx.init(jax.tree_util.tree_map(lambda x, j=j: x[j], sharded.slices))
+               for j in range(size)]
+  along = list(mesh.axis_names).index(fsdp_axis)
+  # Device d of the mesh (in its order) holds slice j of its node.
+  slice_of = [index[along] for index in np.ndindex(*mesh.devices.shape)]
+
+  def per_device(*nodes):
+    if is_per_worker(nodes[0]):
+      return jax.tree_util.tree_map(lambda *x: np.stack([x[j] for j in slice_of]), *nodes)
+    return np.stack(nodes)
+
+  stacked = jax.tree_util.tree_map(per_device, *per_slice, is_leaf=is_per_worker)
+  sliced = _placer(mesh, PartitionSpec(fsdp_axis))
+  opt_state = parallel.map_state(_placer(mesh, PartitionSpec(tuple(mesh.axis_names))),
+                                 sliced, stacked)
+  return StepState(fsdp.ShardedParams(jax.tree_util.tree_map(sliced, sharded.slices),
+                                      sharded.shapes, size),
+                   parallel.replicate({} if model_state is None else model_state, mesh),
+                   opt_state, parallel.replicate(np.zeros((), np.int32), mesh))
+
+
+def _placer(mesh: Mesh, spec: PartitionSpec) -> Callable:
+  """A host array -> that array placed on `mesh` by `spec`, each device taking its part."""
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+
+  def place(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return place
+
+
+def _on_slices(loss: Callable, sharded: fsdp.ShardedParams, fsdp_axis: str) -> Callable:
+  """`loss` on a device's slices: the whole leaves gathered over the node first."""
+  def on_slices(slices, model_state, batch, key):
+    return loss(fsdp.gather(slices, sharded.shapes, fsdp_axis), model_state, batch, key)
+  return on_slices
 
 
 def _check_replicated(updates, opt_state, axis_name) -> None:
