@@ -452,13 +452,25 @@ def sharded_initial_state(tx: optax.GradientTransformation, params, model_state,
     return np.stack(nodes)
 
   stacked = jax.tree_util.tree_map(per_device, *per_slice, is_leaf=is_per_worker)
+  return place_sliced(StepState(sharded, {} if model_state is None else model_state, stacked,
+                                np.zeros((), np.int32)), mesh, fsdp_axis)
+
+
+def place_sliced(state: StepState, mesh: Mesh, fsdp_axis: str) -> StepState:
+  """A host `StepState` of sliced parameters placed on `mesh`.
+
+  The slices and the optimizer's own state (one row a device of the node) over
+  `fsdp_axis`, this library's states one row a device of the mesh, the model
+  state and the step replicated.
+  """
   sliced = _placer(mesh, PartitionSpec(fsdp_axis))
-  opt_state = parallel.map_state(_placer(mesh, PartitionSpec(tuple(mesh.axis_names))),
-                                 sliced, stacked)
-  return StepState(fsdp.ShardedParams(jax.tree_util.tree_map(sliced, sharded.slices),
-                                      sharded.shapes, size),
-                   parallel.replicate({} if model_state is None else model_state, mesh),
-                   opt_state, parallel.replicate(np.zeros((), np.int32), mesh))
+  opt_state = parallel.map_state(_placer(mesh, PartitionSpec(tuple(mesh.axis_names))), sliced,
+                                 state.opt_state)
+  params = state.params
+  return StepState(fsdp.ShardedParams(jax.tree_util.tree_map(sliced, params.slices),
+                                      params.shapes, params.size),
+                   parallel.replicate(state.model_state, mesh), opt_state,
+                   parallel.replicate(state.step, mesh))
 
 
 def _placer(mesh: Mesh, spec: PartitionSpec) -> Callable:

@@ -250,3 +250,66 @@ def _keep_saved(saved: Any, target: Any) -> Any:
     return target
   same = jax.tree_util.tree_structure(saved) == jax.tree_util.tree_structure(target)
   return saved if same else target
+
+
+def change_fsdp(saved: Any, target: Any) -> Any:
+  """A step state of parameters sliced over a node (`workload.fsdp`) on another node size.
+
+  The parameters are gathered whole and cut again; the optimizer's state that
+  mirrors them (a momentum: a subtree shaped like the parameters) likewise;
+  its other rows (a step count) are the same on every device and kept; this
+  library's states move as `change_exchange` moves two-level slices, their
+  mass kept.
+
+  Args:
+    saved: the checkpoint's `StepState`, host arrays, its ``params`` a
+      `fsdp.ShardedParams` of L slices.
+    target: the new run's `StepState` (arrays or shapes), L' slices.
+
+  Returns:
+    `target`'s layout as host arrays (`workload.sharded_step.place_sliced` places it).
+
+  Raises:
+    ValueError: for optimizer state that neither mirrors the parameters nor is
+      the same on every device (it cannot be cut again).
+  """
+  from dlgs_jax.workload import fsdp
+
+  old, new = saved.params, target.params
+  whole = fsdp.whole(old)
+  treedef = jax.tree_util.tree_structure(whole)
+  sizes = [math.prod(shape) for shape in old.shapes]
+
+  def mirrored(node) -> bool:
+    return (not is_per_worker(node) and not isinstance(node, np.ndarray)
+            and jax.tree_util.tree_structure(node) == treedef)
+
+  def cut_again(saved_node, target_node):
+    if mirrored(saved_node):
+      return jax.tree_util.tree_map(
+          lambda x, t, n: _recut(np.asarray(x), np.shape(t), n), saved_node, target_node,
+          jax.tree_util.tree_unflatten(treedef, sizes))
+    if is_per_worker(saved_node):
+      return saved_node
+
+    def same_rows(path, x, t):
+      x = np.asarray(x)
+      if not (x == x[:1]).all():
+        raise ValueError(f"optimizer state {jax.tree_util.keystr(path)} differs between a "
+                         f"node's devices and does not mirror the parameters: it cannot be cut "
+                         f"for {new.size} devices")
+      return np.broadcast_to(x[:1], np.shape(t)).astype(x.dtype)
+    return jax.tree_util.tree_map_with_path(same_rows, saved_node, target_node)
+
+  recut = jax.tree_util.tree_map(cut_again, saved.opt_state, target.opt_state,
+                                 is_leaf=lambda n: mirrored(n) or is_per_worker(n))
+  opt_state = change_exchange(recut, target.opt_state, whole, old.size, new.size)
+  return type(saved)(fsdp.shard(whole, new.size), saved.model_state, opt_state, saved.step)
+
+
+def _recut(rows: np.ndarray, shape: tuple, size: int) -> np.ndarray:
+  """A leaf's rows of slices (L, ...) as rows of `shape` (L', ...): the first `size` values kept."""
+  flat = rows.reshape(-1)[:size]
+  out = np.zeros(math.prod(shape), rows.dtype)
+  out[:size] = flat
+  return out.reshape(shape)

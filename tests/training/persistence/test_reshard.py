@@ -136,3 +136,66 @@ def test_an_exchange_is_read_from_the_run_identity():
   saved = exchange_state(4, 1, np.random.default_rng(0))
   with pytest.raises(ValueError, match=r"transforms \['DLGSState'\] are not this run's \[\]"):
     reshard.change_exchange(saved, ({}, saved[1]), PARAMS, 1, 1)
+
+
+def _sliced_run(nodes, local, params):
+  """A data-parallel step of DLGS + momentum with parameters sliced over `local` devices."""
+  import jax.numpy as jnp
+
+  def loss(p, b):
+    return jnp.mean((jnp.tanh(b[0] @ p["w1"]) @ p["w2"] - b[1]) ** 2)
+
+  mesh = jax.make_mesh((nodes, local), ("data", "fsdp"), devices=jax.devices()[:nodes * local])
+  tx = optax.chain(dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3)),
+                   optax.sgd(0.1, momentum=0.9))
+  return dlgs_jax.data_parallel(loss, tx, mesh, fsdp_axis="fsdp"), mesh
+
+
+@pytest.mark.parametrize("old, new", [((2, 4), (2, 2)), ((2, 4), (4, 2)), ((2, 2), (1, 8))])
+def test_sliced_parameters_move_to_another_node_size_whole_and_with_their_mass(
+    tmp_path, old, new):
+  """Saved on N x L devices, resumed on N' x L': the parameters and the momentum whole as
+  they were, the residuals' mass (sum over nodes / N) kept, and the run goes on."""
+  from dlgs_jax.compress.state import leaf_residuals
+  from dlgs_jax.training.persistence import checkpoint
+  from dlgs_jax.workload import fsdp, parallel, sharded_step
+
+  rng = np.random.default_rng(0)
+  params = {"w1": rng.standard_normal((5, 7)).astype(np.float32),
+            "w2": rng.standard_normal((7, 3)).astype(np.float32)}
+  batch = (rng.standard_normal((8, 5)).astype(np.float32),
+           rng.standard_normal((8, 3)).astype(np.float32))
+  dp, _ = _sliced_run(*old, params)
+  state = dp.init(params)
+  for _ in range(2):
+    state, _ = dp.step(state, jax.device_put(batch, dp.batch_sharding))
+  ckpt = checkpoint.Checkpointer(tmp_path, {"run": 1}, asynchronous=False)
+  ckpt.save(2, state, data_position={"epoch": 0, "batch": 2})
+  saved, _ = ckpt.restore(dp.init(params))
+  saved = parallel.fetch(saved)
+
+  dp2, mesh2 = _sliced_run(*new, params)
+  target = parallel.fetch(dp2.init(params))
+  moved = reshard.change_fsdp(saved, target)
+  assert jax.tree_util.tree_structure(moved) == jax.tree_util.tree_structure(target)
+  for a, b in zip(jax.tree_util.tree_leaves(moved), jax.tree_util.tree_leaves(target)):
+    assert np.shape(a) == np.shape(b)
+  for key, x in fsdp.whole(moved.params).items():
+    np.testing.assert_array_equal(x, fsdp.whole(saved.params)[key])
+  momentum = lambda s, size: {k: v.reshape(-1)[:params[k].size]  # noqa: E731
+                              for k, v in s.opt_state[1][0].trace.items()}
+  for key in params:
+    np.testing.assert_array_equal(momentum(moved, new[1])[key], momentum(saved, old[1])[key])
+
+  def mass(s, nodes, local):
+    out = {}
+    for path, rows in leaf_residuals(s.opt_state[0]).items():
+      laid = np.asarray(rows, np.float64).reshape(nodes, -1)[:, :params[path].size]
+      out[path] = laid.sum(0) / nodes
+    return out
+  for key, m in mass(saved, *old).items():
+    np.testing.assert_allclose(mass(moved, *new)[key], m, rtol=1e-6, atol=1e-7)
+  assert any(np.any(m != 0) for m in mass(saved, *old).values())
+  resumed = sharded_step.place_sliced(moved, mesh2, "fsdp")
+  after, metrics = dp2.step(resumed, jax.device_put(batch, dp2.batch_sharding))
+  assert np.isfinite(float(metrics["loss"])) and int(after.step) == 3
