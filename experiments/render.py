@@ -25,7 +25,8 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
 # The Markdown files that hold rendered tables.
-FILES = ("README.md", "docs/results.md", "docs/choosing.md", "experiments/README.md")
+FILES = ("README.md", "docs/results.md", "docs/choosing.md", "docs/hsdp.md",
+         "experiments/README.md")
 BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 MODELS = {"resnet50": "ResNet-50 (32x32)", "vgg16": "VGG16", "resnet20": "ResNet-20"}
@@ -493,7 +494,24 @@ def threshold_rules() -> str:
   return "\n".join(lines)
 
 
+def hsdp_memory() -> str:
+  """Per device: the step's state (memory analysis) and bytes between nodes, sliced or not."""
+  rows = _load(RESULTS / "hsdp" / "resnet20_memory.json")["rows"]
+  lines = ["| nodes x devices | state, replicated | two-level | sliced | sliced / replicated | "
+           "kB between nodes, sliced | flat DLGS among the nodes | sliced / flat |",
+           "|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    among = row["flat_among_nodes"]
+    sent = (f"{row['sliced']['bytes_sent'] / 1e3:.1f} | {among['bytes_sent'] / 1e3:.1f} | "
+            f"{row['bytes_share']:.2f}" if among else "- | - | -")
+    lines.append(f"| {row['nodes']} x {row['fsdp']} | {row['replicated']['state'] / 1e6:.2f} MB"
+                 f" | {row['two_level']['state'] / 1e6:.2f} MB | "
+                 f"{row['sliced']['state'] / 1e6:.2f} MB | {row['state_share']:.3f} | {sent} |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "hsdp-memory": hsdp_memory,
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
     "cluster-speedups": speedups,

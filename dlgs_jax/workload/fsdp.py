@@ -16,14 +16,18 @@ exchanges each device's slices between nodes only.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from dlgs_jax.compress.collectives import axes_of
 from dlgs_jax.compress.hierarchical import slice_shape
+from dlgs_jax.compress.state import is_per_worker
+from dlgs_jax.workload import parallel
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -100,6 +104,82 @@ def gather(slices: Any, shapes: tuple, axis: str) -> Any:
   out = [lax.all_gather(x.reshape(-1), axis, tiled=True)[:math.prod(shape)].reshape(shape)
          for x, shape in zip(leaves, shapes)]
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def initial(tx, params: Any, mesh, axis: str) -> tuple[ShardedParams, Any]:
+  """The sliced parameters and the optimizer's initial state, on the host.
+
+  The optimizer's state is each slice's: ``tx.init`` runs on every slice; this
+  library's states then get one row a device of the mesh (in its order), the
+  rest one row a device of the node.
+
+  Args:
+    tx: the optimizer.
+    params: the whole parameters, the same in every process.
+    mesh: the device mesh, `axis` among its axes.
+    axis: the mesh axis of a node's devices.
+  """
+  size = mesh.shape[axis]
+  sharded = shard(params, size)
+  per_slice = [tx.init(jax.tree_util.tree_map(lambda x, j=j: x[j], sharded.slices))
+               for j in range(size)]
+  along = list(mesh.axis_names).index(axis)
+  # Device d of the mesh (in its order) holds slice j of its node.
+  slice_of = [index[along] for index in np.ndindex(*mesh.devices.shape)]
+
+  def per_device(*nodes):
+    if is_per_worker(nodes[0]):
+      return jax.tree_util.tree_map(lambda *x: np.stack([x[j] for j in slice_of]), *nodes)
+    return np.stack(nodes)
+
+  return sharded, jax.tree_util.tree_map(per_device, *per_slice, is_leaf=is_per_worker)
+
+
+def place(params: ShardedParams, opt_state: Any, mesh, axis: str) -> tuple[ShardedParams, Any]:
+  """Host slices and optimizer state placed: the slices and the optimizer's own rows
+  over `axis`, this library's states one row a device of the mesh."""
+  sliced = placer(mesh, PartitionSpec(axis))
+  opt_state = parallel.map_state(placer(mesh, PartitionSpec(tuple(mesh.axis_names))), sliced,
+                                 opt_state)
+  return (ShardedParams(jax.tree_util.tree_map(sliced, params.slices), params.shapes,
+                        params.size), opt_state)
+
+
+def placer(mesh, spec: PartitionSpec) -> Callable:
+  """A host array -> that array placed on `mesh` by `spec`, each device taking its part."""
+  sharding = NamedSharding(mesh, spec)
+
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return put
+
+
+def on_slices(loss: Callable, sharded: ShardedParams, axis: str) -> Callable:
+  """`loss` on a device's slices: the whole leaves gathered over the node first."""
+  def sliced_loss(slices, model_state, batch, key):
+    return loss(gather(slices, sharded.shapes, axis), model_state, batch, key)
+  return sliced_loss
+
+
+def check_axis(fsdp_axis, mesh, axis_name, simulate_workers) -> None:
+  """Refuses an fsdp axis the mesh lacks, one the data axes name, or simulated workers."""
+  if not isinstance(fsdp_axis, str) or fsdp_axis not in mesh.axis_names:
+    raise ValueError(f"fsdp_axis {fsdp_axis!r} is not an axis of the mesh {mesh.axis_names}: "
+                     f"give the axis of a node's devices, e.g. jax.make_mesh((nodes, "
+                     f"devices), ('data', 'fsdp')) and fsdp_axis='fsdp'")
+  if axis_name is not None and fsdp_axis in axes_of(
+      tuple(axis_name) if isinstance(axis_name, list) else axis_name):
+    raise ValueError(f"fsdp_axis {fsdp_axis!r} is also a data axis ({axis_name!r}): the "
+                     f"compressor exchanges over the other axes; drop it from axis_name")
+  if len(mesh.axis_names) < 2:
+    raise ValueError(f"fsdp_axis {fsdp_axis!r} needs a data axis besides it; the mesh has only "
+                     f"{mesh.axis_names}")
+  if simulate_workers is not None:
+    raise ValueError("simulate_workers runs every worker on one device, which holds whole "
+                     "parameters: drop simulate_workers or fsdp_axis")
+
+
 
 
 def rows(tree: Any) -> Any:

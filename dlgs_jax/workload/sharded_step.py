@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from dlgs_jax.compress import collectives, common, exchange
-from dlgs_jax.compress.state import comm_stats_by_path, is_per_worker
+from dlgs_jax.compress.state import comm_stats_by_path
 from dlgs_jax.workload import fsdp, parallel, user_loss
 from dlgs_jax.workload.user_loss import ModuleState
 
@@ -124,6 +124,21 @@ class DataParallel:
     # jit keeps what it compiled ahead of time: the step then runs it.
     self._program(state).lower(state, batch).compile()
 
+  def memory(self, state: StepState, batch) -> dict:
+    """Bytes one device holds for `step`, from XLA's memory analysis of the compiled program.
+
+    Returns:
+      ``{"state": the step state's arguments, "batch": one device's rows of
+      `batch`, "temporaries": what the program allocates while it runs,
+      "outputs": what it returns}``.
+    """
+    analysis = self._program(state).lower(state, batch).compile().memory_analysis()
+    rows = sum(int(np.prod(np.shape(x))) * jnp.dtype(jnp.result_type(x)).itemsize
+               for x in jax.tree_util.tree_leaves(batch)) // self.workers
+    return {"state": int(analysis.argument_size_in_bytes) - rows, "batch": rows,
+            "temporaries": int(analysis.temp_size_in_bytes),
+            "outputs": int(analysis.output_size_in_bytes)}
+
   def module(self, state: StepState):
     """The trained ``nnx.Module`` of a state that `init` made from one."""
     if not isinstance(state.model_state, ModuleState):
@@ -151,7 +166,7 @@ class DataParallel:
     params, opt_state = state.params, parallel.squeeze_state(state.opt_state)
     if self.fsdp_axis:
       sharded = params
-      params, loss = fsdp.rows(sharded.slices), _on_slices(loss, sharded, self.fsdp_axis)
+      params, loss = fsdp.rows(sharded.slices), fsdp.on_slices(loss, sharded, self.fsdp_axis)
       # The optimizer's own state is a slice's too: one row a device of the node.
       opt_state = parallel.map_state(lambda x: x, fsdp.rows, opt_state)
     # Under vmap the gradient of unmapped parameters is already each worker's own.
@@ -290,7 +305,7 @@ def data_parallel(
       worker's own gradient (the optimizer ahead of the compressor).
   """
   if fsdp_axis is not None:
-    _check_fsdp(fsdp_axis, mesh, axis_name, simulate_workers)
+    fsdp.check_axis(fsdp_axis, mesh, axis_name, simulate_workers)
     if axis_name is None:
       others = [a for a in mesh.axis_names if a != fsdp_axis]
       axis_name = others[0] if len(others) == 1 else others
@@ -313,24 +328,6 @@ def data_parallel(
                       micro_batches=micro_batches, simulate_workers=simulate_workers,
                       wrt=_param_filter() if wrt is None else wrt, workers=workers,
                       sync_every=sync_every, fsdp_axis=fsdp_axis)
-
-
-def _check_fsdp(fsdp_axis, mesh: Mesh, axis_name, simulate_workers) -> None:
-  """Refuses an fsdp axis the mesh lacks, one the data axes name, or simulated workers."""
-  if not isinstance(fsdp_axis, str) or fsdp_axis not in mesh.axis_names:
-    raise ValueError(f"fsdp_axis {fsdp_axis!r} is not an axis of the mesh {mesh.axis_names}: "
-                     f"give the axis of a node's devices, e.g. jax.make_mesh((nodes, "
-                     f"devices), ('data', 'fsdp')) and fsdp_axis='fsdp'")
-  if axis_name is not None and fsdp_axis in common.axes_of(
-      tuple(axis_name) if isinstance(axis_name, list) else axis_name):
-    raise ValueError(f"fsdp_axis {fsdp_axis!r} is also a data axis ({axis_name!r}): the "
-                     f"compressor exchanges over the other axes; drop it from axis_name")
-  if len(mesh.axis_names) < 2:
-    raise ValueError(f"fsdp_axis {fsdp_axis!r} needs a data axis besides it; the mesh has only "
-                     f"{mesh.axis_names}")
-  if simulate_workers is not None:
-    raise ValueError("simulate_workers runs every worker on one device, which holds whole "
-                     "parameters: drop simulate_workers or fsdp_axis")
 
 
 def _param_filter():
@@ -422,72 +419,19 @@ def initial_state(tx: optax.GradientTransformation, params, model_state, mesh: M
 
 def sharded_initial_state(tx: optax.GradientTransformation, params, model_state, mesh: Mesh,
                           fsdp_axis: str) -> StepState:
-  """The `StepState` at step 0 with parameters sliced over `fsdp_axis` (HSDP).
-
-  Each device of a node holds its slice of every leaf (`fsdp.shard`), and the
-  optimizer's state is that slice's: ``tx.init`` runs on every slice, this
-  library's states then per device over the whole mesh, the rest one row per
-  device of the node.
-
-  Args:
-    tx: the optimizer.
-    params: the whole parameters, the same in every process.
-    model_state: mutable model state (replicated), or None for none.
-    mesh: the device mesh, `fsdp_axis` among its axes.
-    fsdp_axis: the mesh axis of a node's devices.
-  """
+  """The `StepState` at step 0 with parameters sliced over `fsdp_axis` (HSDP, `fsdp.initial`)."""
   if isinstance(params, dict) and "batch_stats" in params and "params" in params:
     return initial_state(tx, params, model_state, mesh)  # its error, named there
-  size = mesh.shape[fsdp_axis]
-  sharded = fsdp.shard(params, size)
-  per_slice = [tx.init(jax.tree_util.tree_map(lambda x, j=j: x[j], sharded.slices))
-               for j in range(size)]
-  along = list(mesh.axis_names).index(fsdp_axis)
-  # Device d of the mesh (in its order) holds slice j of its node.
-  slice_of = [index[along] for index in np.ndindex(*mesh.devices.shape)]
-
-  def per_device(*nodes):
-    if is_per_worker(nodes[0]):
-      return jax.tree_util.tree_map(lambda *x: np.stack([x[j] for j in slice_of]), *nodes)
-    return np.stack(nodes)
-
-  stacked = jax.tree_util.tree_map(per_device, *per_slice, is_leaf=is_per_worker)
-  return place_sliced(StepState(sharded, {} if model_state is None else model_state, stacked,
+  sharded, opt_state = fsdp.initial(tx, params, mesh, fsdp_axis)
+  return place_sliced(StepState(sharded, {} if model_state is None else model_state, opt_state,
                                 np.zeros((), np.int32)), mesh, fsdp_axis)
 
 
 def place_sliced(state: StepState, mesh: Mesh, fsdp_axis: str) -> StepState:
-  """A host `StepState` of sliced parameters placed on `mesh`.
-
-  The slices and the optimizer's own state (one row a device of the node) over
-  `fsdp_axis`, this library's states one row a device of the mesh, the model
-  state and the step replicated.
-  """
-  sliced = _placer(mesh, PartitionSpec(fsdp_axis))
-  opt_state = parallel.map_state(_placer(mesh, PartitionSpec(tuple(mesh.axis_names))), sliced,
-                                 state.opt_state)
-  params = state.params
-  return StepState(fsdp.ShardedParams(jax.tree_util.tree_map(sliced, params.slices),
-                                      params.shapes, params.size),
-                   parallel.replicate(state.model_state, mesh), opt_state,
+  """A host `StepState` of sliced parameters placed on `mesh` (`fsdp.place`); the rest replicated."""
+  params, opt_state = fsdp.place(state.params, state.opt_state, mesh, fsdp_axis)
+  return StepState(params, parallel.replicate(state.model_state, mesh), opt_state,
                    parallel.replicate(state.step, mesh))
-
-
-def _placer(mesh: Mesh, spec: PartitionSpec) -> Callable:
-  """A host array -> that array placed on `mesh` by `spec`, each device taking its part."""
-  sharding = jax.sharding.NamedSharding(mesh, spec)
-
-  def place(x):
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-  return place
-
-
-def _on_slices(loss: Callable, sharded: fsdp.ShardedParams, fsdp_axis: str) -> Callable:
-  """`loss` on a device's slices: the whole leaves gathered over the node first."""
-  def on_slices(slices, model_state, batch, key):
-    return loss(fsdp.gather(slices, sharded.shapes, fsdp_axis), model_state, batch, key)
-  return on_slices
 
 
 def _check_replicated(updates, opt_state, axis_name) -> None:
