@@ -157,8 +157,10 @@ def fetch(tree: Any) -> Any:
       return np.asarray(x)
     if x.sharding.is_fully_replicated:  # scalars included: they have no axis to sort by
       return np.asarray(x.addressable_shards[0].data)
-    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return np.concatenate([np.asarray(s.data) for s in shards])
+    # One shard per row block: an array split over one axis of a 2-D mesh (the
+    # slices of sliced parameters) is replicated over the other, a copy a device.
+    shards = {s.index[0].start or 0: s for s in x.addressable_shards}
+    return np.concatenate([np.asarray(shards[start].data) for start in sorted(shards)])
   return jax.tree_util.tree_map(get, tree)
 
 
