@@ -149,6 +149,9 @@ FLAGS = (
     Flag("--node-size", "processes", "node_size", "devices per node of the two-level exchange: "
          "consecutive processes' devices form a node (e.g. one process per GPU); default: "
          "each process is a node", int),
+    Flag("--fsdp", "processes", "fsdp", "slice the model over N consecutive devices (a node): "
+         "each holds 1/N of the parameters, optimizer state and residuals; the method runs "
+         "between nodes (HSDP)", int),
     Flag("--simulate-workers", "processes", "simulate_workers", "run N workers on one device "
          "under jax.vmap: the numerics, bytes and checkpoints of N devices (one process)", int),
     Flag("--workdir", "checkpoint", "workdir", "where the run writes"),

@@ -121,6 +121,10 @@ class PlanConfig:
   latency: float = 25e-6
 
 
+# The mesh of a run with sliced parameters (`ProcessConfig.fsdp`): nodes, then a node's devices.
+SLICED_AXES = ("data", "fsdp")
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessConfig:
   """Processes and devices (`jax.distributed`); None: from the environment.
@@ -141,6 +145,10 @@ class ProcessConfig:
     simulate_workers: run this many workers on one device under ``jax.vmap``
       (one process; `sharded_step.data_parallel`), with the numerics and
       checkpoints of as many devices; None: one worker per device.
+    fsdp: slice the model over this many consecutive devices (a node; HSDP,
+      `workload.fsdp`): each holds 1/fsdp of the parameters, the optimizer's
+      state and the residuals, and the method runs between nodes on the
+      slices. None: every device holds the whole model.
   """
   workers: Optional[int] = None
   coordinator: Optional[str] = None
@@ -151,6 +159,7 @@ class ProcessConfig:
   node_size: Optional[int] = None
   init_timeout: int = INIT_TIMEOUT
   simulate_workers: Optional[int] = None
+  fsdp: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +197,7 @@ FREE_OPTIONS = frozenset({
     "checkpoint.nonfinite_limit",
     "processes.workers", "processes.coordinator", "processes.num_processes",
     "processes.process_id", "processes.local_devices", "processes.flat", "processes.node_size",
-    "processes.init_timeout", "processes.simulate_workers",
+    "processes.init_timeout", "processes.simulate_workers", "processes.fsdp",
     "data.eval_batch_size",
     "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
     "plan.latency"})
@@ -345,7 +354,8 @@ def _validate_counts(config: RunConfig) -> None:
                              ("num_processes", processes.num_processes, 1),
                              ("process_id", processes.process_id, 0),
                              ("node_size", processes.node_size, 1),
-                             ("simulate_workers", processes.simulate_workers, 1)):
+                             ("simulate_workers", processes.simulate_workers, 1),
+                             ("fsdp", processes.fsdp, 1)):
     if value is not None:
       _check_int(option, value, low)
   _check_int("init_timeout", processes.init_timeout, 1)
@@ -410,6 +420,24 @@ def _validate_run(config: RunConfig) -> None:
   if config.processes.flat and config.processes.node_size is not None:
     raise ConfigError("node_size", config.processes.node_size,
                       "a flat exchange has no nodes: give either --flat or --node-size")
+  _check_sliced(config)
+
+
+def _check_sliced(config: RunConfig) -> None:
+  """Refuses settings that sliced parameters (`fsdp`) cannot take."""
+  processes, plan = config.processes, config.plan
+  if processes.fsdp is None:
+    return
+  clashes = [f"--{name.replace('_', '-')}" for name, given in (
+      ("flat", processes.flat), ("node_size", processes.node_size is not None),
+      ("simulate_workers", processes.simulate_workers is not None),
+      ("workers", processes.workers is not None)) if given]
+  if clashes:
+    raise ConfigError("fsdp", processes.fsdp, f"slices the model over the devices of a node, "
+                      f"its nodes every fsdp consecutive devices of the run: drop {clashes[0]}")
+  if plan.planner != "none" or plan.plan:
+    raise ConfigError("fsdp", processes.fsdp, "runs each leaf's slice as its own message "
+                      "(the planner groups whole leaves): give --planner none and no --plan")
 
 
 # Planning options that only a planner reads.

@@ -123,13 +123,26 @@ def _train_locked(config: RunConfig, workdir: Path) -> dict:
 
 
 def _log_start(run: Run) -> None:
+  import math
+
   import jax
 
   from dlgs_jax.compress import wire
+  from dlgs_jax.workload import fsdp
 
   config = run.config
-  num_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(run.state.params))
-  if len(run.mesh.axis_names) == 2:
+  params = run.state.params
+  num_params = (sum(math.prod(shape) for shape in params.shapes)
+                if isinstance(params, fsdp.ShardedParams)
+                else sum(int(x.size) for x in jax.tree_util.tree_leaves(params)))
+  if isinstance(params, fsdp.ShardedParams):
+    # Sliced: each device sends its 1/L slice between nodes, as two levels do.
+    nodes, local = run.mesh.devices.shape
+    run.dense_bytes = wire.allreduce_bytes(-(-num_params // local), nodes)
+    run.log(f"parameters sliced over {nodes} nodes x {local} devices: each device holds 1/"
+            f"{local} of the model, its optimizer state and residuals; "
+            f"{config.method.name} between nodes on its slice")
+  elif len(run.mesh.axis_names) == 2:
     # Two levels: bytes_sent counts a device's traffic between nodes, on its 1/L slice;
     # the dense figure is the same all-reduce's (Horovod's hierarchical one).
     nodes, local = run.mesh.devices.shape

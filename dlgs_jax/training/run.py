@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from dlgs_jax.compress.optimizer import build_optimizer
-from dlgs_jax.training.config import CIFAR_MODELS, INT32_MAX, RunConfig
+from dlgs_jax.training.config import CIFAR_MODELS, INT32_MAX, SLICED_AXES, RunConfig
 from dlgs_jax.training.plans import backward_order_of, make_or_load_plan, resolve_collective
 
 
@@ -149,11 +149,14 @@ def _mesh_and_data(config: RunConfig):
   if simulated is not None and jax.process_count() > 1:
     raise RunError(f"--simulate-workers {simulated}: runs every worker in one process, this run "
                    f"has {jax.process_count()}: start one process, or drop --simulate-workers")
+  sliced = config.processes.fsdp
   try:
-    mesh = (parallel.node_mesh(node_size) if node_size is not None
+    mesh = (parallel.node_mesh(sliced, axis_names=SLICED_AXES) if sliced is not None
+            else parallel.node_mesh(node_size) if node_size is not None
             else parallel.data_mesh(1 if simulated else config.processes.workers))
   except ValueError as e:
-    option = "--node-size" if config.processes.node_size is not None else "--workers"
+    option = ("--fsdp" if sliced is not None else "--node-size"
+              if config.processes.node_size is not None else "--workers")
     raise RunError(f"{option}: {e}") from None
   return train_set, test_set, dataset_name, pad, mesh, note
 
@@ -172,7 +175,8 @@ def node_size_of(config: RunConfig) -> tuple[Optional[int], Optional[str]]:
   processes, local = jax.process_count(), jax.local_device_count()
   total, given = processes * local, config.processes.node_size
   every_device = config.processes.workers in (None, total)
-  if config.processes.flat or config.processes.simulate_workers is not None:
+  if (config.processes.flat or config.processes.simulate_workers is not None
+      or config.processes.fsdp is not None):
     return None, None
   if given is None:
     return (local if processes > 1 and local > 1 and every_device else None), None
@@ -197,7 +201,8 @@ def build_run(config: RunConfig) -> Run:
   from dlgs_jax.workload import data, losses, models, parallel
 
   train_set, test_set, dataset_name, pad, mesh, note = _mesh_and_data(config)
-  two_level = len(mesh.axis_names) == 2
+  sliced = tuple(mesh.axis_names) == SLICED_AXES
+  two_level = len(mesh.axis_names) == 2 and not sliced
   simulated = config.processes.simulate_workers
   axis, workers = parallel.data_axes(mesh), simulated or int(mesh.devices.size)
   leader = jax.process_index() == 0
@@ -240,12 +245,15 @@ def build_run(config: RunConfig) -> Run:
                       if d.process_index == jax.process_index()]),
       steps_per_epoch=spe, total_steps=total_steps, epochs=math.ceil(total_steps / spe),
       schedule=schedule, plan=plan, order=order, warmup=warmup,
-      state=training.train_state_from_variables(variables, tx, mesh, simulated),
+      state=training.train_state_from_variables(variables, tx, mesh, simulated,
+                                                fsdp_axis=SLICED_AXES[1] if sliced else None),
       step_fn=training.make_train_step(model, tx, mesh, augment=config.data.augment, pad=pad,
                                        mean=train_set.mean, std=train_set.std, seed=config.seed,
-                                       simulate_workers=simulated),
+                                       simulate_workers=simulated,
+                                       fsdp_axis=SLICED_AXES[1] if sliced else None),
       evaluate=training.make_eval_fn(model, train_set.mean, train_set.std),
-      fingerprint=training.make_fingerprint_fn(mesh), leader=leader,
+      fingerprint=training.make_fingerprint_fn(mesh, SLICED_AXES[1] if sliced else None),
+      leader=leader,
       optimizer_for=optimizer_for)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from dlgs_jax.workload import data, parallel, sharded_step
+from dlgs_jax.workload import data, fsdp, parallel, sharded_step
 from dlgs_jax.workload.losses import apply_for_training, cross_entropy, init_variables
 from dlgs_jax.workload.sharded_step import StepState
 
@@ -26,7 +26,8 @@ from dlgs_jax.workload.sharded_step import StepState
 
 
 def train_state_from_variables(variables: dict, tx: optax.GradientTransformation,
-                               mesh: Mesh, workers: Optional[int] = None) -> StepState:
+                               mesh: Mesh, workers: Optional[int] = None,
+                               fsdp_axis: Optional[str] = None) -> StepState:
   """Places `variables` (from `init_variables`) and `tx`'s initial state on `mesh`.
 
   Args:
@@ -35,10 +36,14 @@ def train_state_from_variables(variables: dict, tx: optax.GradientTransformation
       placed per worker, the rest replicated (`parallel.place_state`).
     mesh: the 1-D data mesh.
     workers: workers simulated on the mesh's one device (None: one per device).
+    fsdp_axis: the mesh axis the parameters are sliced over (None: replicated).
 
   Returns:
     The `StepState` at step 0.
   """
+  if fsdp_axis is not None:
+    return sharded_step.sharded_initial_state(tx, variables["params"],
+                                              variables.get("batch_stats", {}), mesh, fsdp_axis)
   return sharded_step.initial_state(tx, variables["params"], variables.get("batch_stats", {}),
                                     mesh, workers)
 
@@ -52,7 +57,8 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation, sample:
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
                     *, augment: bool = True, pad: int = 4, mean=data.CIFAR10_MEAN,
                     std=data.CIFAR10_STD, seed: int = 0,
-                    simulate_workers: Optional[int] = None) -> Callable:
+                    simulate_workers: Optional[int] = None,
+                    fsdp_axis: Optional[str] = None) -> Callable:
   """Builds ``step(state, images, labels) -> (state, metrics)`` on `sharded_step.data_parallel`.
 
   Args:
@@ -66,6 +72,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     seed: augmentation seed.
     simulate_workers: that many workers on the mesh's one device
       (`sharded_step.data_parallel`); None: one worker per device.
+    fsdp_axis: the mesh axis the parameters are sliced over (HSDP); None: replicated.
 
   Returns:
     A `TrainStep`, called as a function. `images` (uint8) and `labels` are per-worker arrays of
@@ -89,7 +96,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
   stepper = sharded_step.data_parallel(
       loss_fn if augment else (lambda p, s, b: loss_fn(p, s, b)), tx, mesh,
       model_state=True, has_aux=True, seed=seed if augment else None,
-      simulate_workers=simulate_workers)
+      simulate_workers=simulate_workers, fsdp_axis=fsdp_axis)
 
   return TrainStep(stepper)
 
@@ -106,13 +113,15 @@ class TrainStep(NamedTuple):
     self.stepper.compile(state, (images, labels))
 
 
-def make_fingerprint_fn(mesh: Mesh) -> Callable:
-  """Builds ``fingerprint(params, batch_stats) -> uint32[workers, 2]``.
+def make_fingerprint_fn(mesh: Mesh, fsdp_axis: Optional[str] = None) -> Callable:
+  """Builds ``fingerprint(params, batch_stats) -> uint32[workers, 2]`` (``2·L`` sliced).
 
   Each worker hashes *its own copy* of the replicated parameters and BatchNorm
   statistics (a wrapping sum of the raw bits and a position-weighted one), so
   copies that drifted apart -- on any device of any process -- give different
-  rows. Cheap: two reductions per leaf.
+  rows. Cheap: two reductions per leaf. With parameters sliced over
+  `fsdp_axis`, a device hashes its slices and its row holds its node's hashes
+  in slice order: every node's row is the same when their slices are.
   """
   axis = parallel.data_axes(mesh)
 
@@ -122,9 +131,12 @@ def make_fingerprint_fn(mesh: Mesh) -> Callable:
       bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).reshape(-1)
       weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
       total = total + jnp.stack([jnp.sum(bits), jnp.sum(bits * weights)])
+    if fsdp_axis is not None:
+      total = jax.lax.all_gather(total, fsdp_axis, tiled=True)
     return total[None]
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec()),
+  params_spec = PartitionSpec() if fsdp_axis is None else PartitionSpec(fsdp_axis)
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(params_spec, PartitionSpec()),
                                out_specs=PartitionSpec(axis), check_vma=False))
 
 
@@ -173,6 +185,8 @@ def evaluate_dataset(evaluate: Callable, params, batch_stats, dataset: data.Data
   from jax.experimental import multihost_utils
 
   params, batch_stats = parallel.fetch((params, batch_stats))
+  if isinstance(params, fsdp.ShardedParams):
+    params = fsdp.whole(params)
   n = len(dataset.labels)
   bounds = np.linspace(0, n, jax.process_count() + 1).astype(int)
   lo, hi = bounds[jax.process_index()], bounds[jax.process_index() + 1]

@@ -106,7 +106,7 @@ def gather(slices: Any, shapes: tuple, axis: str) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def initial(tx, params: Any, mesh, axis: str) -> tuple[ShardedParams, Any]:
+def initial(tx, params: Any, shape: dict, axis: str) -> tuple[ShardedParams, Any]:
   """The sliced parameters and the optimizer's initial state, on the host.
 
   The optimizer's state is each slice's: ``tx.init`` runs on every slice; this
@@ -116,16 +116,16 @@ def initial(tx, params: Any, mesh, axis: str) -> tuple[ShardedParams, Any]:
   Args:
     tx: the optimizer.
     params: the whole parameters, the same in every process.
-    mesh: the device mesh, `axis` among its axes.
-    axis: the mesh axis of a node's devices.
+    shape: the mesh's axis sizes by name, in its order (``mesh.shape``).
+    axis: the axis of a node's devices.
   """
-  size = mesh.shape[axis]
+  size = shape[axis]
   sharded = shard(params, size)
   per_slice = [tx.init(jax.tree_util.tree_map(lambda x, j=j: x[j], sharded.slices))
                for j in range(size)]
-  along = list(mesh.axis_names).index(axis)
+  along = list(shape).index(axis)
   # Device d of the mesh (in its order) holds slice j of its node.
-  slice_of = [index[along] for index in np.ndindex(*mesh.devices.shape)]
+  slice_of = [index[along] for index in np.ndindex(*shape.values())]
 
   def per_device(*nodes):
     if is_per_worker(nodes[0]):

@@ -422,7 +422,7 @@ def sharded_initial_state(tx: optax.GradientTransformation, params, model_state,
   """The `StepState` at step 0 with parameters sliced over `fsdp_axis` (HSDP, `fsdp.initial`)."""
   if isinstance(params, dict) and "batch_stats" in params and "params" in params:
     return initial_state(tx, params, model_state, mesh)  # its error, named there
-  sharded, opt_state = fsdp.initial(tx, params, mesh, fsdp_axis)
+  sharded, opt_state = fsdp.initial(tx, params, dict(mesh.shape), fsdp_axis)
   return place_sliced(StepState(sharded, {} if model_state is None else model_state, opt_state,
                                 np.zeros((), np.int32)), mesh, fsdp_axis)
 

@@ -90,6 +90,26 @@ def test_auto_trains_by_the_exchange_its_network_prices_fastest(tmp_path):
 
 
 @pytest.mark.slow
+def test_sliced_parameters_train_and_resume_on_another_node_size(tmp_path):
+  """--fsdp 4 on 8 devices (2 nodes x 4), stopped after 2 steps, resumed as 4 nodes x 2:
+  the slices cut again, the parameters' replicas checked identical on every check."""
+  common = [*SMALL, "--method", "dlgs", "--density", "0.05", "--local-devices", "8",
+            "--steps", "4", "--check-every", "1", "--workdir", str(tmp_path)]
+  first = run_cli([*common, "--fsdp", "4", "--stop-after", "2"])
+  assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+  assert "parameters sliced over 2 nodes x 4 devices: each device holds 1/4" in first.stdout
+  second = run_cli([*common, "--fsdp", "2", "--resume"])
+  assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+  assert ("the checkpoint was written on sliced 2x4 devices, this run has sliced 4x2"
+          in second.stdout)
+  steps = [r for r in records(tmp_path) if "loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  assert all(np.isfinite(r["loss"]) and r["bytes_sent"] > 0 for r in steps)
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 4 and 0.0 <= summary["final_test_accuracy"] <= 1.0
+
+
+@pytest.mark.slow
 def test_killed_or_stopped_runs_resume_bit_identical_to_an_uninterrupted_one(tmp_path):
   """Killed outright (resumed from the last periodic checkpoint) or stopped by SIGTERM
   (which saves a checkpoint of its own), a DLGS run resumed ends where an uninterrupted
@@ -310,6 +330,11 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
      "--wire-dtype 'bfloat16' is invalid: applies to dense, topk, lags, dlgs, not gtopk"),
     (["--collective", "gtopk", "--wire-dtype", "bfloat16"],
      "--wire-dtype 'bfloat16' is invalid: needs the all-gather"),
+    (["--fsdp", "4", "--node-size", "2"], "--fsdp 4 is invalid: slices the model over the "
+     "devices of a node, its nodes every fsdp consecutive devices of the run: drop --node-size"),
+    (["--fsdp", "2", "--planner", "optimal"], "--fsdp 2 is invalid: runs each leaf's slice as "
+     "its own message"),
+    (["--fsdp", "0"], "--fsdp 0 is invalid"),
     (["--collective", "auto"], "--collective 'auto' is invalid: prices the exchanges on a "
      "modelled network: give --bandwidth"),
     (["--method", "dense", "--collective", "auto", "--bandwidth", "1gbit"],

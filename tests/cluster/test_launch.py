@@ -225,6 +225,9 @@ def test_sbatch_script_refuses_outside_slurm_and_runs_srun(tmp_path):
       *start, "--model", "vgg16", "--resume", "--node-size", "8"]
   assert srun_args("--model", "vgg16", "--flat") == [*start, "--model", "vgg16", "--flat"]
   assert srun_args("--node-size", "4") == [*start, "--node-size", "4"]
+  # The model sliced over each node's 8 GPUs: the node is --fsdp's, no two-level exchange.
+  assert srun_args("--model", "vgg16", "--fsdp", "8") == [*start, "--model", "vgg16",
+                                                          "--fsdp", "8"]
   assert srun_args("--model", "vgg16", SLURM_JOB_NUM_NODES="1") == [*start, "--model", "vgg16"]
   odd = subprocess.run(["bash", str(script)], env={**env, "SLURM_NTASKS_PER_NODE": "8(x2)"},
                        capture_output=True, text=True)

@@ -79,7 +79,10 @@ def redistribute(opt_state: Any, workers: int) -> Any:
 
 
 def exchange_name(mesh) -> str:
-  """A run identity's ``exchange``: "flat", or "two-level NxL" for a node mesh (`nodes_of`)."""
+  """A run identity's ``exchange``: "flat", "two-level NxL" for a node mesh (`nodes_of`), or
+  "sliced NxL" for parameters sliced over the L devices of N nodes (``--fsdp``)."""
+  if tuple(mesh.axis_names) == ("data", "fsdp"):
+    return "sliced {}x{}".format(*mesh.devices.shape)
   if len(mesh.axis_names) == 2:
     return "two-level {}x{}".format(*mesh.devices.shape)
   return "flat"
@@ -91,8 +94,9 @@ def nodes_of(exchange: str) -> Optional[tuple[int, int]]:
     return None
   kind, _, shape = exchange.partition(" ")
   nodes, _, local = shape.partition("x")
-  if kind != "two-level" or not (nodes.isdigit() and local.isdigit()):
-    raise ValueError(f"unknown exchange {exchange!r}: expected 'flat' or 'two-level NxL'")
+  if kind not in ("two-level", "sliced") or not (nodes.isdigit() and local.isdigit()):
+    raise ValueError(f"unknown exchange {exchange!r}: expected 'flat', 'two-level NxL' or "
+                     f"'sliced NxL'")
   return int(nodes), int(local)
 
 

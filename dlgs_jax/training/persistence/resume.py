@@ -15,6 +15,7 @@ def restore_or_start(run: Run, ckpt) -> int:
       checkpoint of another run.
   """
   from dlgs_jax.training.persistence import checkpoint
+  from dlgs_jax.workload import fsdp
 
   directory = run.workdir / "checkpoints"
   if ckpt.latest_step() is None:
@@ -34,6 +35,9 @@ def restore_or_start(run: Run, ckpt) -> int:
       elif not set(e.differences) <= RESHARDABLE or not {"workers", "exchange"} & set(
           e.differences):
         raise
+      elif "sliced" in str(e.differences.get("exchange", ("",))[0]) or isinstance(
+          run.state.params, fsdp.ShardedParams):
+        record = _restore_sliced(run, ckpt, e.differences)
       else:
         record = _restore_on_other_workers(run, ckpt, e.differences)
   except checkpoint.CheckpointMismatch as e:
@@ -163,6 +167,40 @@ def _restore_on_other_workers(run: Run, ckpt, differences: dict) -> dict:
           f"{run.workers}{shapes}: residuals redistributed with their sum kept"
           + (f"; the schedule now has {run.total_steps} steps (it had "
              f"{differences['total_steps'][0]})" if "total_steps" in differences else ""))
+  return record
+
+
+def _restore_sliced(run: Run, ckpt, differences: dict) -> dict:
+  """Restores a checkpoint of parameters sliced over another node shape (`reshard.change_fsdp`).
+
+  Raises:
+    RunError: when one of the two runs slices its parameters and the other does not.
+  """
+  import jax
+  import numpy as np
+
+  from dlgs_jax.training.persistence import reshard
+  from dlgs_jax.workload import fsdp, parallel, sharded_step
+
+  exchange = reshard.exchange_name(run.mesh)
+  saved_exchange = differences["exchange"][0] if "exchange" in differences else exchange
+  if not (saved_exchange.startswith("sliced") and exchange.startswith("sliced")):
+    raise RunError(f"refusing to resume: the checkpoint's exchange is {saved_exchange}, this "
+                   f"run's {exchange}; sliced parameters (--fsdp) resume only as sliced ones")
+  nodes, local = reshard.nodes_of(saved_exchange)
+  axes = tuple(run.mesh.axis_names)
+  whole = fsdp.whole(parallel.fetch(run.state.params))
+  sliced, opt_state = fsdp.initial(run.optimizer_for(None), whole, {axes[0]: nodes,
+                                                                     axes[1]: local}, axes[1])
+  host = lambda tree: jax.tree_util.tree_map(_host, tree)  # noqa: E731
+  target = run.state._replace(params=host(sliced), model_state=host(run.state.model_state),
+                              opt_state=host(opt_state), step=_host(run.state.step))
+  restored, record = ckpt.restore_latest_good(target, allow=RESHARDABLE)
+  moved = reshard.change_fsdp(jax.tree_util.tree_map(np.asarray, restored),
+                              parallel.fetch(run.state))
+  run.state = sharded_step.place_sliced(moved, run.mesh, axes[1])
+  run.log(f"the checkpoint was written on {saved_exchange} devices, this run has {exchange}: "
+          "the slices cut again, the residuals' sum kept")
   return record
 
 
