@@ -25,6 +25,7 @@ METHODS = {
     "gtopk": lambda axis: dlgs_jax.gtopk(0.2, axis_name=axis),
     "dlgs-owners": lambda axis: dlgs_jax.dlgs(0.2, axis_name=axis, collective="owners"),
     "terngrad": lambda axis: dlgs_jax.terngrad(axis_name=axis, seed=0),
+    "dgc": lambda axis: dlgs_jax.dgc(0.2, axis_name=axis, momentum=0.0, seed=0),
 }
 
 
@@ -94,7 +95,7 @@ def test_hsdp_trains_as_two_level_does(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lags", "topk", "gtopk", "dlgs-owners", "terngrad"])
+@pytest.mark.parametrize("name", ["lags", "topk", "gtopk", "dlgs-owners", "terngrad", "dgc"])
 def test_every_method_trains_sliced_as_two_level_does(name):
   got, _, _ = train(METHODS[name], sliced=True, steps=20)
   want, _, _ = train(METHODS[name], sliced=False, steps=20)
@@ -163,3 +164,30 @@ def test_a_device_holds_a_slice_of_the_replicated_state(local):
   replicated, held = _state_bytes(flat, params, batch), _state_bytes(sliced, params, batch)
   assert replicated > 3 * 4 * (96 * 128 + 128 * 40)  # parameters, momentum, residuals
   assert held == pytest.approx(replicated / local, rel=0.10)
+
+
+def test_an_nnx_module_trains_sliced_and_comes_back_whole():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden, self.out = nnx.Linear(6, 9, rngs=rngs), nnx.Linear(9, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  mesh = jax.make_mesh((NODES, LOCAL), ("data", "fsdp"), devices=jax.devices()[:8])
+  tx = optax.chain(dlgs_jax.dlgs(0.2, axis_name="data"), optax.sgd(0.1))
+  dp = dlgs_jax.data_parallel(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), tx, mesh,
+                              fsdp_axis="fsdp")
+  model = Net(nnx.Rngs(0))
+  before = np.asarray(model.hidden.kernel[...])
+  state = dp.init(model)
+  losses = []
+  batch = jax.device_put(batches(1)[0], dp.batch_sharding)
+  for _ in range(5):  # one batch again and again: its loss falls
+    state, metrics = dp.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  trained = dp.module(state)
+  assert trained.hidden.kernel[...].shape == (6, 9) and losses[-1] < losses[0]
+  assert not np.allclose(np.asarray(trained.hidden.kernel[...]), before)
