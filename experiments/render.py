@@ -510,8 +510,23 @@ def hsdp_memory() -> str:
   return "\n".join(lines)
 
 
+def hsdp_manual() -> str:
+  """DLGS's update on sliced gradients, manual over the node axis only or over both."""
+  run = _load(RESULTS / "hsdp" / "manual.json")
+  lines = ["| shard_map | all-gathers | all-reduces | HLO instructions | temporaries |",
+           "|---|---|---|---|---|"]
+  for key, label in (("partial_manual", 'manual over "data" only'),
+                     ("full_manual", "manual over both axes (used)")):
+    row = run[key]
+    lines.append(f"| {label} | {row['collectives']['all-gather']} | "
+                 f"{row['collectives']['all-reduce']} | {row['instructions']:,} | "
+                 f"{row['temporaries'] / 1e6:.2f} MB |")
+  return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "hsdp-memory": hsdp_memory,
+    "hsdp-manual": hsdp_manual,
     "demo-presets": demo_presets,
     "update-kernels": update_kernels,
     "cluster-speedups": speedups,

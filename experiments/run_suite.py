@@ -43,7 +43,7 @@ SECTIONS = (
     ("cluster", 3),
     ("sparsify", 4), ("gpu", 4),
     ("planner", 5),
-    ("nodes", 6), ("scaling", 6),
+    ("nodes", 6), ("scaling", 6), ("hsdp", 6),
     ("overlap", 7),
     ("ring", 8),
 )
@@ -213,6 +213,8 @@ def full_steps() -> list[tuple[str, list[str]]]:
       ("scaling", [e + "predict_scaling.py"]),
       ("scaling_0.1", [e + "predict_scaling.py", "--density", "0.1"]),
       ("nodes", [e + "predict_scaling.py", "--nodes", "2,4,8,16"]),
+      ("hsdp_memory", [e + "hsdp_memory.py", "--out", r + "hsdp/resnet20_memory.json"]),
+      ("hsdp_manual", [e + "hsdp_manual.py", "--out", r + "hsdp/manual.json"]),
       ("overlap", [e + "overlap_probe.py"]),
       ("overlap_interleaved", [e + "overlap_probe.py", "--out-dir",
                                r + "overlap_variants/interleaved_schedule"]),
