@@ -285,11 +285,24 @@ def owners_cluster() -> str:
 
 
 def owners_accuracy() -> str:
-  """The demo's preset with the owners' exchange, the all-gather and gTop-k: accuracy, bytes."""
+  """The demo's preset with the owners' exchange, the all-gather and gTop-k: accuracy, bytes;
+  then full CIFAR-10, the owners' DLGS against the all-gather's, paired by seed."""
   runs = _load(RESULTS / "compare" / "owners" / "demo_accuracy.json")["runs"]
   lines = ["| run | final test accuracy | bytes a worker a step |", "|---|---|---|"]
   lines += [f"| `{run['command']}` | {100 * run['final_test_accuracy']:.1f}% | "
             f"{run['bytes_sent_per_step'] / 1e3:.0f} kB |" for run in runs]
+  full = {(r["method"], r["density"], r["seed"]): r["summary"] for r in _load(
+      RESULTS / "accuracy_full" / "table" / "results.json")["results"]}
+  for (method, density, seed), summary in sorted(full.items()):
+    twin = full.get(("dlgs", density, seed))
+    if method != "dlgs-owners" or twin is None:
+      continue
+    gap = 100 * (summary["final_test_accuracy"] - twin["final_test_accuracy"])
+    lines.append(f"| full CIFAR-10, ResNet-20, {density:g}, seed {seed}: dlgs-owners against "
+                 f"dlgs ({100 * twin['final_test_accuracy']:.1f}%, paired gap "
+                 f"{gap:+.1f} points) | {100 * summary['final_test_accuracy']:.1f}% | "
+                 f"{summary['bytes_sent_per_step'] / 1e3:.0f} kB (dlgs "
+                 f"{twin['bytes_sent_per_step'] / 1e3:.0f} kB) |".replace("+-", "-"))
   return "\n".join(lines)
 
 
@@ -298,7 +311,8 @@ FULL_CIFAR_ROWS = (
     ("dense", "dense", None), ("DLGS, paper's rule", "dlgs-paper", 0.1),
     ("DLGS, default", "dlgs", 0.1), ("DLGS, paper's rule, head whole", "dlgs-paper-head", 0.1),
     ("DLGS, paper's rule, density 0.01", "dlgs-paper", 0.01),
-    ("DLGS, default, density 0.01", "dlgs", 0.01), ("Top-k", "topk", 0.1), ("LAGS", "lags", 0.1))
+    ("DLGS, default, density 0.01", "dlgs", 0.01), ("Top-k", "topk", 0.1), ("LAGS", "lags", 0.1),
+    ("DLGS, the owners' exchange", "dlgs-owners", 0.1))
 
 
 def full_cifar() -> str:
@@ -312,11 +326,14 @@ def full_cifar() -> str:
   for label, method, density in FULL_CIFAR_ROWS:
     seeds = {seed: summary for (m, d, seed), summary in by.items()
              if m == method and d == density}
+    if not seeds:  # a row appears once its run has landed
+      continue
     cells = [f"{100 * seeds[s]['final_test_accuracy']:.1f}%" if s in seeds else ""
              for s in (0, 1, 2)]
     gaps = _gaps(seeds, dense)
-    gap = (f"{statistics.mean(gaps):+.1f} ± {statistics.stdev(gaps):.1f}".replace("-", "−")
-           if method != "dense" and len(gaps) > 1 else "")
+    gap = (f"{statistics.mean(gaps):+.1f} ± {statistics.stdev(gaps):.1f}" if len(gaps) > 1
+           else f"{gaps[0]:+.1f} (one seed)" if gaps else "").replace("-", "−")
+    gap = "" if method == "dense" else gap
     any_run = next(iter(seeds.values()))
     stats = any_run.get("threshold_stats") or {}
     exact = (f"{100 * statistics.mean(seeds[s]['threshold_stats']['exact_share'] for s in seeds):.1f}%"
