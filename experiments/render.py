@@ -299,8 +299,8 @@ def owners_accuracy() -> str:
       continue
     gap = 100 * (summary["final_test_accuracy"] - twin["final_test_accuracy"])
     lines.append(f"| full CIFAR-10, ResNet-20, {density:g}, seed {seed}: dlgs-owners against "
-                 f"dlgs ({100 * twin['final_test_accuracy']:.1f}%, paired gap "
-                 f"{gap:+.1f} points) | {100 * summary['final_test_accuracy']:.1f}% | "
+                 f"dlgs ({100 * twin['final_test_accuracy']:.2f}%, paired gap "
+                 f"{gap:+.2f} points) | {100 * summary['final_test_accuracy']:.2f}% | "
                  f"{summary['bytes_sent_per_step'] / 1e3:.0f} kB (dlgs "
                  f"{twin['bytes_sent_per_step'] / 1e3:.0f} kB) |".replace("+-", "-"))
   return "\n".join(lines)
