@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from dlgs_jax.compress import methods
 from dlgs_jax.compress.methods import ConfigError, MethodConfig
 from dlgs_jax.planning import choice, network, planner, timeline
 from dlgs_jax.planning.timeline import MethodCosts, Profile, simulate
@@ -194,14 +193,13 @@ def chosen_collective(config: PlanConfig, profile: Profile, progress=print) -> d
   """
   size = sum(profile.sizes)
   priced = choice.for_method(config.method, size, config.density, profile.workers, profile.comm)
-  seconds = {name: t for name, t in priced["seconds"].items()
-             if name == "dense-bf16" or methods.takes(config.method, name)}
+  seconds = priced["seconds"]
   progress(f"one message of {size:,} values at density {config.density:g}, "
            f"{world(config, profile)}: " + ", ".join(
                f"{name} {t * 1e3:.2f} ms" for name, t in seconds.items())
-           + f"; fastest: {choice.fastest(seconds)}; {config.method}'s: {priced['collective']}")
+           + f"; fastest: {priced['fastest']}; {config.method}'s: {priced['collective']}")
   return {"model": config.model, "density": config.density, "workers": profile.workers,
-          "seconds": seconds, "chosen": choice.fastest(seconds),
+          "seconds": seconds, "chosen": priced["fastest"],
           "collective": priced["collective"]}
 
 
