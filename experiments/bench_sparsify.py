@@ -66,8 +66,8 @@ def threshold_step(layout, select, reuse_every):
   return step
 
 
-def initial_thresholds(layout) -> list:
-  return [engine.initial_thresholds(layout, g) for g in range(len(layout.groups))]
+def initial_thresholds(select, layout) -> list:
+  return [engine.initial_thresholds(select, layout, g) for g in range(len(layout.groups))]
 
 
 def rule_of(candidates, reuse_every):
@@ -98,7 +98,7 @@ def make_selectors(params, density, reuse_every, grouped, candidates):
   def topk_step(leaves):
     return engine.pick(topk, whole, 0, whole.lay_out(0, leaves)).positions
 
-  return dlgs_step, paper_step, lags_step, topk_step, initial_thresholds(layout)
+  return dlgs_step, paper_step, lags_step, topk_step, initial_thresholds(select, layout)
 
 
 def bench_config(name, density, reuse_every, repeats, with_updates, grouped, candidates):

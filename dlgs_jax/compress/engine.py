@@ -27,6 +27,9 @@ from dlgs_jax.compress import segmented
 from dlgs_jax.compress import selection
 
 SELECTIONS = ("threshold", "layer_topk", "group_topk")
+# Whose k a DLGS threshold answers for: each leaf's ("layer", the paper's), or
+# its message's, one threshold over the group ("message").
+BUDGETS = ("layer", "message")
 SPARSE_COLLECTIVES = ("allgather", "gtopk", "owners")
 
 
@@ -196,9 +199,17 @@ class Selection:
   # "threshold" only: how reused thresholds are recomputed and aimed
   # (`rules`); None: the thresholds given are used as they are (DGC).
   rule: Optional[rules.ThresholdRule] = None
+  # "threshold" only: whose k a threshold answers for (`BUDGETS`): each leaf's
+  # k_l ("layer"), or the group's sum_l k_l under one threshold ("message").
+  budget: str = "layer"
+
+  @property
+  def one_segment(self) -> bool:
+    """Whether a group is selected as one segment (Top-k, and DLGS's message budget)."""
+    return self.kind == "group_topk" or self.budget == "message"
 
   def sent_whole(self, layout: Layout, leaf: int) -> bool:
-    return self.kind != "group_topk" and layout.whole[leaf]
+    return not self.one_segment and layout.whole[leaf]
 
   def leaf_k(self, layout: Layout, leaf: int) -> int:
     size = layout.sizes[leaf]
@@ -223,19 +234,19 @@ class Selection:
     return sum(self.capacities(layout, group))
 
   def segments(self, layout: Layout, group: int) -> segmented.Segments:
-    """The group's buffer cut into what is selected apart: each leaf, or (Top-k) the whole group.
+    """The group's buffer cut into what is selected apart: each leaf, or the whole group.
 
-    A Top-k group is one segment over the same buffer: the leaves' padding is
-    zeros, which never pass.
+    A group selected as one (`one_segment`) is one segment over the same
+    buffer: the leaves' padding is zeros, which never pass.
     """
     buffer = layout.buffer(group)
-    if self.kind == "group_topk":
+    if self.one_segment:
       return segmented.Segments((buffer.length,))
     return buffer
 
   def ks(self, layout: Layout, group: int) -> list[int]:
     """k of each segment (`segments`)."""
-    if self.kind == "group_topk":
+    if self.one_segment:
       return [self.group_k(layout, group)]
     return [self.leaf_k(layout, leaf) for leaf in layout.groups[group]]
 
@@ -243,11 +254,14 @@ class Selection:
     """Message slots of each segment (`segments`)."""
     if self.kind == "group_topk":
       return (self.group_k(layout, group),)
+    if self.one_segment:
+      return (min(layout.group_size(group),
+                  int(math.ceil(self.capacity_factor * self.group_k(layout, group)))),)
     return tuple(self.leaf_capacity(layout, leaf) for leaf in layout.groups[group])
 
   def whole(self, layout: Layout, group: int) -> list[bool]:
     """Per segment, whether it is sent whole (`Layout.whole`)."""
-    if self.kind == "group_topk":
+    if self.one_segment:
       return [False]
     return [self.sent_whole(layout, leaf) for leaf in layout.groups[group]]
 
@@ -299,9 +313,9 @@ def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
     layout: the static layout.
     group: the group.
     flat: g = residual + gradient of the group, laid out in its buffer.
-    previous: float32 [L], the group's thresholds of the last step.
+    previous: float32 [S], the group's thresholds of the last step, one per segment.
   """
-  segs = layout.buffer(group)
+  segs = select.segments(layout, group)
   ks, whole = select.ks(layout, group), select.whole(layout, group)
   return select.rule.propose(
       previous, ks=ks, whole=whole,
@@ -310,15 +324,15 @@ def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
       sizes=segs.sizes)
 
 
-def initial_thresholds(layout: Layout, group: int) -> jax.Array:
-  """A group's thresholds before its first step: 0, as the paper's list V starts.
+def initial_thresholds(select: Selection, layout: Layout, group: int) -> jax.Array:
+  """A group's thresholds, one per segment, before its first step: 0, as the paper's list V starts.
 
   Every nonzero value passes 0, so the first step sends each leaf's first
   values in index order, as many as its buffer holds (what any step sends when
   more than its buffer pass), and keeps the rest owed; its exact thresholds
   are computed from its values (`settle`) and serve from the next step on.
   """
-  return jnp.zeros((len(layout.groups[group]),), jnp.float32)
+  return jnp.zeros((len(select.ks(layout, group)),), jnp.float32)
 
 
 def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
@@ -341,11 +355,12 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
     layout: the static layout.
     accumulated: per group, g = residual + gradient laid out in its buffer.
     picked: per group, what `pick` chose with the proposal.
-    previous: per group, float32 [L], the thresholds this step started from.
+    previous: per group, float32 [S], the thresholds this step started from,
+      one per segment (`Selection.segments`: a leaf, or the whole message).
     recompute: bool scalar, the schedule's exact step.
 
   Returns:
-    ``(thresholds, exact)``: per group float32 [L]; the int32 number of leaves
+    ``(thresholds, exact)``: per group float32 [S]; the int32 number of leaves
     whose threshold was computed exactly this step.
   """
   rule = select.rule
@@ -362,14 +377,17 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
     voting = [s and not f for s, f in zip(sparse, few[g])]
     drifted = rule.drifted(chosen.passed, ks[g], select.capacities(layout, g), voting, last > 0)
     redo.append(recompute | drifted)
-    counted = counted + jnp.where(redo[-1], sum(sparse), sum(few[g])).astype(jnp.int32)
+    # Counted in leaves: a message's one threshold serves every leaf of it.
+    per_segment = len(layout.groups[g]) if select.one_segment else 1
+    counted = counted + (jnp.where(redo[-1], sum(sparse), sum(few[g]))
+                         * per_segment).astype(jnp.int32)
 
   def everything(flats, leaves):
     """Exact thresholds of the listed leaves of every group, in one select (flat, in order)."""
     parts, sizes, kept = [], [], []
     for g, flat in enumerate(flats):
       if leaves[g]:
-        samples, segs = segmented.leaf_samples(flat, layout.buffer(g), leaves[g],
+        samples, segs = segmented.leaf_samples(flat, select.segments(layout, g), leaves[g],
                                                [1] * len(leaves[g]))
         parts.append(samples)
         sizes += segs.sizes
@@ -409,7 +427,7 @@ class Picked:
   """A group's values that passed their thresholds, in fixed-capacity slots (`pick`)."""
   positions: jax.Array   # int32[sum(capacities)]: positions in the group's buffer, segment after segment; sentinel: the buffer's length
   passed: jax.Array      # int32[segments]: values that passed per segment (> its capacity on overflow)
-  thresholds: Any        # float32[L]: the H_l DLGS selected with; None for the other kinds
+  thresholds: Any        # float32[S]: the thresholds DLGS selected with, one per segment; None for the other kinds
 
 
 def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
@@ -427,7 +445,7 @@ def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
     layout: the static layout.
     group: the group.
     flat: g = residual + gradient of the group, laid out in its buffer (`accumulate`).
-    previous: DLGS only: float32 [L], the group's thresholds of the last step.
+    previous: DLGS only: float32 [S], the group's thresholds of the last step (per segment).
   """
   segs = select.segments(layout, group)
   ks, capacities = select.ks(layout, group), select.capacities(layout, group)

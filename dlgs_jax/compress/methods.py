@@ -49,6 +49,9 @@ class MethodConfig:
     candidates: DLGS with `refresh_below` set: thresholds each leaf tries on a
       reuse step (multiples of its reused one, interpolated between); 1: the
       reused one only.
+    budget: DLGS: ``"layer"`` (a threshold per leaf, k_l each: the paper's)
+      or ``"message"`` (one threshold per message, its leaves' k together;
+      `dlgs_jax.dlgs`).
     min_ndim: LAGS/DLGS: leaves with fewer dimensions are sent whole.
     send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
       layer (found from the backward order).
@@ -68,6 +71,7 @@ class MethodConfig:
   reuse_every: int = 10
   refresh_below: Optional[float] = 0.5
   candidates: int = 7
+  budget: str = "layer"
   min_ndim: int = 0
   send_whole: tuple[str, ...] = ()
   collective: str = "allgather"
@@ -99,6 +103,13 @@ class MethodConfig:
                         "set (--refresh-below 0.5); the paper's schedule (none) has none")
     if self.min_ndim < 0:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
+    if self.budget not in engine.BUDGETS:
+      raise ConfigError("budget", self.budget, f"choose from {engine.BUDGETS}")
+    if self.budget != "layer" and "budget" not in self.spec.options:
+      raise ConfigError("budget", self.budget, f"applies to dlgs, not {self.name}")
+    if self.budget == "message" and (self.send_whole or self.min_ndim):
+      raise ConfigError("budget", self.budget, "sends no leaf whole: drop send_whole and "
+                        "min_ndim, or take budget 'layer'")
     if self.collective not in engine.SPARSE_COLLECTIVES + (AUTO,):
       raise ConfigError("collective", self.collective,
                         f"choose {', '.join(engine.SPARSE_COLLECTIVES)} or {AUTO}")
@@ -341,7 +352,7 @@ def _build_lags(c: MethodConfig, ctx: _BuildContext):
 
 def _build_dlgs(c: MethodConfig, ctx: _BuildContext):
   return dlgs(c.density, axis_name=ctx.axis_name, thresholds=c.threshold_rule(),
-              groups=_layer_groups(ctx), order=ctx.order, collective=c.collective,
+              budget=c.budget, groups=_layer_groups(ctx), order=ctx.order, collective=c.collective,
               send_whole=c.whole_mask(ctx.order), wire_dtype=c.wire_dtype)
 
 
@@ -376,7 +387,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            collective="gtopk", message_bytes=lambda size, k, workers: wire.gtopk_bytes(k, workers)[0]),
     Method("dlgs", "per-leaf thresholds, exact every reuse_every steps, planned merging",
            _build_dlgs, takes_groups=True, whole_layers=True,
-           options=_LAYER_WISE + ("reuse_every", "refresh_below", "candidates"),
+           options=_LAYER_WISE + ("reuse_every", "refresh_below", "candidates", "budget"),
            grouping="optimal"),
     Method("dgc", "Deep Gradient Compression (sampled thresholds, momentum correction)",
            _build_dgc, options=("density", "dgc_warmup_epochs"), holds_momentum=True, planner_prices=False, per_leaf_update=True,
@@ -399,6 +410,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("dlgs-paper-head", "dlgs", {"refresh_below": None, "send_whole": ("head",)},
             "the paper's fixed threshold schedule, the classifier head sent whole"),
     Variant("lags-head", "lags", {"send_whole": ("head",)}, "the classifier head sent whole"),
+    Variant("dlgs-message", "dlgs", {"budget": "message"},
+            "one threshold per message: its leaves share its k as a global top-k would"),
+    Variant("dlgs-paper-message", "dlgs", {"refresh_below": None, "budget": "message"},
+            "the paper's fixed schedule, one threshold per message"),
     Variant("dlgs-owners", "dlgs", {"collective": "owners"},
             "summed at the owners of hashed regions: bytes flat in the workers"),
     Variant("topk-owners", "topk", {"collective": "owners"},

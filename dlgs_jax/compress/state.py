@@ -80,7 +80,7 @@ class DLGSState(NamedTuple):
   """
   count: jax.Array   # int32[]: steps taken (skipped steps not counted)
   residuals: tuple   # per group, float32[buffer] (the residual dtype): error feedback e, what was not sent yet
-  thresholds: tuple  # per group, float32[leaves]: H_l of its leaves, exact every `every` steps
+  thresholds: tuple  # per group, float32[leaves] (budget "layer": H_l of each leaf) or float32[1] (budget "message": the message's), exact every `every` steps
   stats: CommStats
   owner_thresholds: tuple = ()  # per group, float32[]: the owners' global threshold, exact every `every` steps (collective "owners"; () otherwise)
 

@@ -93,7 +93,7 @@ def _sparse_transform(
     owner_thresholds = (tuple(jnp.zeros((), jnp.float32) for _ in layout.groups)
                         if with_owners else ())
     if with_thresholds:
-      thresholds = tuple(engine.initial_thresholds(layout, g)
+      thresholds = tuple(engine.initial_thresholds(select, layout, g)
                          for g in range(len(layout.groups)))
       return DLGSState(count, residuals, thresholds, stats, owner_thresholds)
     return SparseState(count, residuals, stats, owner_thresholds)
@@ -149,6 +149,7 @@ def dlgs(
     *,
     axis_name=None,
     thresholds: rules.ThresholdRule = rules.AdaptedReuse(),
+    budget: str = "layer",
     groups=None,
     order: Optional[Sequence[str]] = None,
     send_whole=None,
@@ -186,6 +187,15 @@ def dlgs(
       (see the module docstring for a plain `jax.jit`).
     thresholds: the threshold rule, `rules.AdaptedReuse()` by default;
       ``FixedReuse(every=10)`` is the paper's.
+    budget: whose k a threshold answers for. ``"layer"`` (the paper): one
+      threshold per leaf, the k_l-th largest of that leaf, so every leaf
+      sends its density's share. ``"message"``: one threshold per group (a
+      message), the (sum_l k_l)-th largest of the whole group, computed and
+      reused on the same schedule; each leaf then sends the share of the
+      message's k that a global top-k gave it on the last exact step, as
+      global Top-k would within the message, while the message is still sent
+      as soon as its own gradients are ready. Leaves are not sent whole
+      under it (`send_whole` must be None).
     groups: leaf-path groups (contiguous runs in backward order, listed in
       backward order), each packed into one buffer and sent in one collective;
       or a plan with ``.groups`` and ``.order``. ``None``: buckets of
@@ -230,9 +240,16 @@ def dlgs(
     raise ValueError(f"capacity_factor must be a finite number >= 1 (it sizes each leaf's "
                      f"buffer; at most every value: size_l / k_l), got {capacity_factor!r}")
   rule = rules.check_rule(thresholds)
+  if budget not in engine.BUDGETS:
+    raise ValueError(f"budget={budget!r} is invalid: choose 'layer' (k_l per leaf, the "
+                     f"paper's) or 'message' (one threshold per message)")
+  if budget == "message" and send_whole is not None:
+    raise ValueError(f"send_whole={send_whole!r} does not apply with budget='message': the "
+                     f"message's one threshold already gives each leaf the share a global "
+                     f"top-k would; pass send_whole=None or budget='layer'")
   groups, order = common.check_groups(groups, order)
   return _sparse_transform(
-      engine.Selection("threshold", density, float(capacity_factor), rule),
+      engine.Selection("threshold", density, float(capacity_factor), rule, budget),
       common.check_collective(collective), method="dlgs", axis_name=axis_name, groups=groups,
       order=order, single_group=False, skip_nonfinite=skip_nonfinite,
       whole=engine.check_whole(send_whole), residual_dtype=residual_dtype,

@@ -219,7 +219,7 @@ def test_a_first_step_starts_from_zero_and_keeps_exact_thresholds():
   leaves[0][:5] = 0.0  # zeros never pass
   for rule in (rules.FixedReuse(), rules.RefreshReuse(), rules.AdaptedReuse()):
     select = engine.Selection("threshold", DENSITY, rule=rule)
-    start = engine.initial_thresholds(layout, 0)
+    start = engine.initial_thresholds(select, layout, 0)
     np.testing.assert_array_equal(start, [0.0, 0.0])
     flat = layout.lay_out(0, [jnp.asarray(x) for x in leaves])
     picked = jax.jit(lambda v, t, s=select: engine.pick(s, layout, 0, v, t))(flat, start)

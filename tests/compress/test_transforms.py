@@ -31,6 +31,9 @@ def methods(density, **kw):
       "dlgs_adapted": dlgs_jax.dlgs(
           density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), order=ORDER,
           groups=[ORDER[:3], ORDER[3:]], **kw),
+      "dlgs_message": dlgs_jax.dlgs(
+          density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), budget="message",
+          order=ORDER, groups=[ORDER[:3], ORDER[3:]], **kw),
       "dlgs_gtopk": dlgs_jax.dlgs(
           density, axis_name="data", collective="gtopk", groups=[ORDER[:3], ORDER[3:]],
           order=ORDER, **kw),
@@ -477,6 +480,64 @@ def test_dlgs_on_the_papers_schedule_matches_numpy(every, capacity_factor, group
                                rtol=1e-5, atol=1e-6)
 
 
+def numpy_message_steps(steps, density, every, groups):
+  """NumPy reference of DLGS with a message budget on the paper's schedule.
+
+  As `numpy_dlgs_steps`, but each group (its leaves end to end, in the group's
+  order) is selected as one: one threshold, k the sum of its leaves' k_l, the
+  first values in that order when more than k pass; the exact threshold is the
+  k-th largest ``|g|`` of the whole group. Returns (means, residuals) per step,
+  flat in flatten order.
+  """
+  paths = grouping.leaf_paths(PARAMS)
+  leaves = [dict(zip(paths, (np.asarray(x).reshape(W, -1)
+                             for x in jax.tree_util.tree_leaves(g)))) for g in steps]
+  residual = {p: np.zeros_like(x) for p, x in leaves[0].items()}
+  thresholds = [np.zeros(W, np.float32) for _ in groups]
+  out = []
+  for t, grads in enumerate(leaves):
+    means, kept = {}, {}
+    for i, group in enumerate(groups):
+      acc = np.concatenate([grads[p] + residual[p] for p in group], axis=1)
+      k = sum(max(1, int(np.ceil(density * grads[p].shape[1]))) for p in group)
+      total, res = np.zeros(acc.shape[1]), acc.copy()
+      for w in range(W):
+        idx = np.flatnonzero((np.abs(acc[w]) >= thresholds[i][w]) & (acc[w] != 0))[:k]
+        total[idx] += acc[w, idx]
+        res[w, idx] = 0
+        if t % every == 0:
+          thresholds[i][w] = np.sort(np.abs(acc[w]))[::-1][k - 1]
+      ends = np.cumsum([0] + [grads[p].shape[1] for p in group])
+      for p, a, b in zip(group, ends[:-1], ends[1:]):
+        means[p], kept[p] = total[a:b] / W, res[:, a:b]
+    residual = kept
+    out.append((np.concatenate([means[p] for p in paths]),
+                np.concatenate([kept[p] for p in paths], 1)))
+  return out
+
+
+@pytest.mark.parametrize("every,groups", [(3, [ORDER[:3], ORDER[3:]]), (2, [ORDER])])
+def test_dlgs_with_a_message_budget_matches_numpy(every, groups):
+  """One threshold per message: its leaves share k as a top-k of the message would."""
+  rng = np.random.default_rng(11)
+  # Leaves of unequal scale: a per-layer budget would give each the same share.
+  steps = [jax.tree_util.tree_map(lambda x, s: x * s, random_grads(PARAMS, W, rng),
+                                  {"conv": {"kernel": 1.0, "bias": 4.0},
+                                   "dense": {"kernel": 0.2, "bias": 1.0}}) for _ in range(6)]
+  tx = dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.FixedReuse(every),
+                     budget="message", groups=groups, order=ORDER)
+  updates, _, states = run_steps(tx, PARAMS, steps, W)
+  assert [t.shape[1:] for t in states[0].thresholds] == [(1,)] * len(groups)
+  reference = numpy_message_steps(steps, 0.2, every, groups)
+  for (mean, residual), update, state in zip(reference, updates, states):
+    np.testing.assert_allclose(flat_workers(update)[0], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat_workers(residual_tree(state, PARAMS)), residual,
+                               rtol=1e-5, atol=1e-6)
+  # The exact steps' leaves are counted whole, the reuse steps' not at all.
+  assert [int(s.stats.exact[0]) for s in states] == [
+      len(ORDER) if t % every == 0 else 0 for t in range(len(steps))]
+
+
 def test_single_worker_axis_none():
   tx = dlgs_jax.dlgs(0.1, thresholds=dlgs_jax.AdaptedReuse(2))
   rng = np.random.default_rng(8)
@@ -577,6 +638,9 @@ def test_composes_with_optax_and_trains(make):
     ({"density": 0.1, "thresholds": 10}, "thresholds=10 is not a threshold rule"),
     ({"density": 0.1, "thresholds": "paper"}, "FixedReuse"),
     ({"density": 0.1, "groups": "dense/bias"}, "dense/bias"),
+    ({"density": 0.1, "budget": "global"}, "budget='global' is invalid: choose 'layer'"),
+    ({"density": 0.1, "budget": "message", "send_whole": ["dense/kernel"]},
+     "does not apply with budget='message'.*send_whole=None or budget='layer'"),
 ])
 def test_bad_arguments_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -229,13 +229,22 @@ def _dealt_buffers(old: Any, new: Any, shapes: dict, old_fast: int, new_fast: in
 
 
 def _thresholds_by_path(old: Any, new: Any) -> tuple:
-  """Each leaf's saved threshold (one row, `_one_row`) in the new state's groups."""
-  saved = {path: _one_row(np.asarray(row)[:, i])
-           for paths, row in zip(old.stats.groups.paths, old.thresholds)
-           for i, path in enumerate(paths)}
+  """Each leaf's saved threshold (one row, `_one_row`) in the new state's groups.
+
+  A message's one threshold (DLGS's message budget) is each of its leaves'; a
+  new message of several leaves takes the lowest of theirs: what passes it and
+  does not fit waits in the residual, and the rule's drift test sees it.
+  """
+  saved = {}
+  for paths, row in zip(old.stats.groups.paths, old.thresholds):
+    row = np.asarray(row)
+    for i, path in enumerate(paths):
+      saved[path] = _one_row(row[:, i if row.shape[1] == len(paths) else 0])
   out = []
   for paths, wanted in zip(new.stats.groups.paths, new.thresholds):
     row = np.asarray([saved[path] for path in paths], np.float32)
+    if wanted.shape[-1] != len(paths):
+      row = row.min(keepdims=True)
     out.append(np.broadcast_to(row, wanted.shape).astype(wanted.dtype))
   return tuple(out)
 

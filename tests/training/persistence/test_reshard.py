@@ -64,9 +64,9 @@ def test_replicated_parts_of_a_chain_are_kept_as_they_are():
 PARAMS = {"w": np.zeros((6, 5), np.float32), "b": np.zeros((3,), np.float32)}
 
 
-def exchange_state(workers, fast, rng):
+def exchange_state(workers, fast, rng, budget="layer"):
   """A chain (DLGS [in two levels], SGD momentum) with random per-worker residuals."""
-  make = lambda axis: dlgs_jax.dlgs(0.25, axis_name=axis)  # noqa: E731
+  make = lambda axis: dlgs_jax.dlgs(0.25, axis_name=axis, budget=budget)  # noqa: E731
   tx = (make("data") if fast == 1 else
         dlgs_jax.two_level(make, fast_axis="local", slow_axis="node", fast_size=fast))
   chain = optax.chain(tx, optax.sgd(0.1, momentum=0.9))
@@ -126,6 +126,22 @@ def test_another_exchange_gets_the_same_owed_mass_and_keeps_the_momentum(old, ne
   assert all(np.all(v == np.float32(mean)) for v in inner.thresholds)
   for key in PARAMS:  # the replicated momentum is the saved one
     np.testing.assert_array_equal(moved[1][0].trace[key], saved[1][0].trace[key])
+
+
+@pytest.mark.parametrize("old, new", [((2, 1), (4, 1)), ((2, 1), (2, 2))])
+def test_a_messages_one_threshold_moves_with_its_leaves(old, new):
+  """DLGS's message budget keeps one threshold per message: it moves as the leaves'."""
+  rng = np.random.default_rng(5)
+  saved = exchange_state(old[0] * old[1], old[1], rng, budget="message")
+  target = exchange_state(new[0] * new[1], new[1], np.random.default_rng(9), budget="message")
+  moved = reshard.change_exchange(saved, target, PARAMS, old[1], new[1])
+  before, after = owed(saved, old[1]), owed(moved, new[1])
+  for key in PARAMS:
+    np.testing.assert_allclose(after[key], before[key], rtol=1e-6, atol=1e-7)
+  inner = moved[0].inner if new[1] > 1 else moved[0]
+  mean = np.mean(np.arange(1, old[0] * old[1] + 1))
+  assert [v.shape for v in inner.thresholds] == [(new[0] * new[1], 1)] * len(inner.thresholds)
+  assert all(np.all(v == np.float32(mean)) for v in inner.thresholds)
 
 
 def test_an_exchange_is_read_from_the_run_identity():
