@@ -86,13 +86,17 @@ def full_steps() -> list[tuple[str, list[str]]]:
                + [(m, 0.1, 2) for m in ("dense", "dlgs-paper", "dlgs")]
                + [("dlgs-paper-head", 0.1, s) for s in (0, 1)]
                + [(m, 0.01, s) for s in (0, 1) for m in ("dlgs-paper", "dlgs", "topk")]
-               + [("dlgs-owners", 0.1, 0)])
+               + [("dlgs-owners", 0.1, 0)]
+               + [("dlgs-message", d, s) for d in (0.01, 0.1) for s in (0, 1)])
+  # The message budget on the planned messages of the cluster benchmark (one for
+  # ResNet-20 at both densities), copied into plans/ under the variant's name.
+  planned = {"dlgs-message": ["--plan-dir", f"{r}accuracy_full/plans"]}
   # A run's name is its step's (after "accuracy_full_") and its results folder's.
   named = [(f"{m}{'' if d == 0.1 else f'_{d:g}'}_seed{s}", m, d, s) for m, d, s in full_runs]
   accuracy_full = [(f"accuracy_full_{name}", [
       e + "accuracy.py", "--methods", m, "--densities", f"{d:g}", "--epochs", "30",
       "--seeds", str(s), "--data-dir", FULL_CIFAR10, "--out-dir", f"{r}accuracy_full/{name}",
-      "--runs-dir", "runs/accuracy_full"]) for name, m, d, s in named]
+      "--runs-dir", "runs/accuracy_full", *planned.get(m, [])]) for name, m, d, s in named]
   # The table of the runs that have landed: means, gaps to dense paired by seed, curves,
   # the two threshold rules paired (the default rule is decided on it), and, once it has
   # landed, the head sent whole against the paper's rule (the head's default).
