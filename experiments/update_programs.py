@@ -5,7 +5,8 @@ transform's update (one worker, ``axis_name=None``) is lowered and compiled
 here, and its optimized HLO counted (`profiling.programs`): conditionals,
 sorts and top-k calls, loops, and the kernels a step launches. DLGS runs under
 the paper's rule (``FixedReuse(10)``) and the default (``AdaptedReuse``), with
-every leaf in one group and with the default buckets. On this backend the
+every leaf in one group and with the default buckets, the latter also with
+the message budget (one threshold per bucket). On this backend the
 program is XLA:CPU's, so its counts say how many kernels the passes take, not
 what a GPU's fusion makes of them.
 
@@ -43,6 +44,8 @@ def transforms(params) -> dict:
   for rule_name, rule in (("paper", paper), ("default", dlgs_jax.AdaptedReuse())):
     rows[f"dlgs {rule_name}, one group"] = dlgs_jax.dlgs(DENSITY, thresholds=rule, groups=one)
     rows[f"dlgs {rule_name}, buckets"] = dlgs_jax.dlgs(DENSITY, thresholds=rule)
+    rows[f"dlgs {rule_name}, buckets, message budget"] = dlgs_jax.dlgs(
+        DENSITY, thresholds=rule, budget="message")
   return rows
 
 

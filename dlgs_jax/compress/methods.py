@@ -351,8 +351,11 @@ def _build_lags(c: MethodConfig, ctx: _BuildContext):
 
 
 def _build_dlgs(c: MethodConfig, ctx: _BuildContext):
+  # A message budget over one leaf would be the layer budget: without a plan,
+  # its messages are the transform's buckets (in the backward order).
+  groups = ctx.groups if c.budget == "message" else _layer_groups(ctx)
   return dlgs(c.density, axis_name=ctx.axis_name, thresholds=c.threshold_rule(),
-              budget=c.budget, groups=_layer_groups(ctx), order=ctx.order, collective=c.collective,
+              budget=c.budget, groups=groups, order=ctx.order, collective=c.collective,
               send_whole=c.whole_mask(ctx.order), wire_dtype=c.wire_dtype)
 
 

@@ -417,10 +417,6 @@ def _validate_run(config: RunConfig) -> None:
                       f"planning applies to dense, lags and dlgs, not {method.name}")
   if plan.plan and plan.planner != "none":
     raise ConfigError("plan", plan.plan, "give either --plan or --planner, not both")
-  if method.budget == "message" and plan.planner == "none" and not plan.plan:
-    # Without a plan each leaf is its own message: the budget would change nothing.
-    raise ConfigError("budget", method.budget, "needs messages of several leaves: give a plan "
-                      "(--plan, or --planner such as single), or take budget layer")
   if config.processes.flat and config.processes.node_size is not None:
     raise ConfigError("node_size", config.processes.node_size,
                       "a flat exchange has no nodes: give either --flat or --node-size")

@@ -340,8 +340,6 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
     (["--method", "dense", "--collective", "auto", "--bandwidth", "1gbit"],
      "--collective 'auto' is invalid: applies to topk, lags, dlgs, not dense"),
     (["--budget", "global"], "--budget 'global' is invalid: choose from ('layer', 'message')"),
-    (["--budget", "message"], "--budget 'message' is invalid: needs messages of several "
-     "leaves: give a plan"),
     (["--budget", "message", "--send-whole", "head", "--planner", "single"],
      "--budget 'message' is invalid: sends no leaf whole"),
     (["--method", "lags", "--budget", "message"], "--budget 'message' is invalid: applies to "

@@ -95,6 +95,18 @@ def test_send_whole_names_the_head_or_given_leaves_and_rejects_unknown_ones():
   assert MethodConfig("topk").whole_layers(order, shapes) == frozenset()
 
 
+def test_a_message_budget_without_a_plan_takes_the_buckets_not_one_message_a_leaf():
+  shapes = models.param_shapes("smallcnn")
+  order = list(reversed(grouping.leaf_paths(shapes)))
+  groups = lambda config: jax.eval_shape(  # noqa: E731
+      config.compressor(order=order).init, shapes).stats.groups.paths
+  assert groups(MethodConfig("dlgs")) == tuple((path,) for path in order)
+  assert groups(MethodConfig("dlgs", budget="message")) == (tuple(order),)
+  planned = [order[:2], order[2:]]
+  assert MethodConfig("dlgs", budget="message").compressor(order=order, groups=planned).init(
+      shapes).stats.groups.paths == tuple(map(tuple, planned))
+
+
 @pytest.mark.slow
 def test_the_config_builds_the_method_it_describes():
   """dlgs with the head sent whole on one worker: the head whole, every other leaf a
