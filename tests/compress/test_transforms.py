@@ -28,9 +28,7 @@ def methods(density, **kw):
       "dlgs_grouped": dlgs_jax.dlgs(
           density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), order=ORDER,
           groups=[ORDER[:2], ORDER[2:]], **kw),
-      "dlgs_adapted": dlgs_jax.dlgs(
-          density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), order=ORDER,
-          groups=[ORDER[:3], ORDER[3:]], **kw),
+      # The grouped layer budget is "dlgs_grouped"'s; these groups take the message budget.
       "dlgs_message": dlgs_jax.dlgs(
           density, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3), budget="message",
           order=ORDER, groups=[ORDER[:3], ORDER[3:]], **kw),
