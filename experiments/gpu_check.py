@@ -84,7 +84,7 @@ def floor_pass(grads: list, residuals: list, thresholds: list):
   return out
 
 
-METHODS = ("dense", "topk", "gtopk", "lags", "dlgs-paper", "dlgs")
+METHODS = ("dense", "topk", "gtopk", "lags", "dlgs-paper", "dlgs", "dlgs-message")
 
 
 def paired_ratio(first, second, rounds: int) -> tuple[float, float, float]:
@@ -198,10 +198,12 @@ def whole_step_ms(name: str, batch: int, side: int, tx, reuse_every: int, rounds
 
 
 def whole_step_transforms(density: float, reuse_every: int) -> list[tuple[str, object]]:
-  """The updates the whole-step mode puts in the step: dense, Top-k, DLGS's two rules."""
+  """The updates the whole-step mode puts in the step: dense, Top-k, DLGS's two rules and its message budget."""
   return [("dense", dlgs_jax.dense()), ("topk", dlgs_jax.topk(density)),
           ("dlgs-paper", dlgs_jax.dlgs(density, thresholds=dlgs_jax.FixedReuse(reuse_every))),
-          ("dlgs", dlgs_jax.dlgs(density, thresholds=dlgs_jax.AdaptedReuse(reuse_every)))]
+          ("dlgs", dlgs_jax.dlgs(density, thresholds=dlgs_jax.AdaptedReuse(reuse_every))),
+          ("dlgs-message", dlgs_jax.dlgs(density, thresholds=dlgs_jax.AdaptedReuse(reuse_every),
+                                         budget="message"))]
 
 
 def update_row(name, density, method, group, tx, gradients, floor, rounds) -> dict:

@@ -104,7 +104,8 @@ def checked_updates(density: float, reuse_every: int, params) -> list[tuple[str,
   """(method, grouping, transform) of every update the device check times, most important first.
 
   Dense, Top-k, gTop-k, then LAGS and DLGS under the paper's fixed reuse and the
-  default adapted rule, first with every leaf in one group, then grouped by default.
+  default adapted rule (the latter also with the message budget), first with
+  every leaf in one group, then grouped by default.
 
   Args:
     density: the sparse methods' density.
@@ -121,7 +122,10 @@ def checked_updates(density: float, reuse_every: int, params) -> list[tuple[str,
       ("lags", "one group", transforms.lags(density, groups=one)),
       ("dlgs-paper", "one group", transforms.dlgs(density, groups=one, **paper)),
       ("dlgs", "one group", transforms.dlgs(density, groups=one, **adapted)),
+      ("dlgs-message", "one group",
+       transforms.dlgs(density, groups=one, budget="message", **adapted)),
       ("lags", "default", transforms.lags(density)),
       ("dlgs-paper", "default", transforms.dlgs(density, **paper)),
       ("dlgs", "default", transforms.dlgs(density, **adapted)),
+      ("dlgs-message", "default", transforms.dlgs(density, budget="message", **adapted)),
   ]

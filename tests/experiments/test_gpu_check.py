@@ -44,7 +44,8 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   rows = {(r["method"], r["grouping"]): r for r in result["rows"]}
   assert set(rows) == {("dense", "-"), ("topk", "-"), ("gtopk", "-"),
                        ("lags", "one group"), ("dlgs-paper", "one group"), ("dlgs", "one group"),
-                       ("lags", "default"), ("dlgs-paper", "default"), ("dlgs", "default")}
+                       ("dlgs-message", "one group"), ("lags", "default"),
+                       ("dlgs-paper", "default"), ("dlgs", "default"), ("dlgs-message", "default")}
   for r in rows.values():
     assert r["update_ms"] > 0 and r["floor_ms"] > 0 and r["over_floor"] > 0
   # What the programs are made of: no method sorts its gradient (a top-k is an exact
@@ -64,13 +65,13 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   assert result["machine"]["copy_bytes_per_s"] > 0
   # The whole step: forward, backward and update in one program, against dense's.
   steps = {r["method"]: r for r in result["whole_step"]}
-  assert list(steps) == ["dense", "topk", "dlgs-paper", "dlgs"]
+  assert list(steps) == ["dense", "topk", "dlgs-paper", "dlgs", "dlgs-message"]
   assert steps["dense"]["over_dense"] == 1.0 and steps["dense"]["batch"] == 4
   for r in steps.values():
     assert r["step_ms"] > 0 and r["over_dense"] == r["step_ms"] / steps["dense"]["step_ms"]
   table = result["table"].splitlines()
-  assert len(table) == 2 + 9 + 3 + 4 and table[2].startswith("| smallcnn | 0.1 | dense | - |")
-  assert table[-4].startswith("| smallcnn | 0.1 | dense | 4 | ") and table[-4].endswith(" 1.00 |")
+  assert len(table) == 2 + 11 + 3 + 5 and table[2].startswith("| smallcnn | 0.1 | dense | - |")
+  assert table[-5].startswith("| smallcnn | 0.1 | dense | 4 | ") and table[-5].endswith(" 1.00 |")
   assert result["table"] in capsys.readouterr().out
 
 
@@ -81,7 +82,7 @@ def test_gpu_check_stops_starting_work_once_its_budget_is_spent(tmp_path):
   assert check.main(["--small", "--models", "smallcnn", "--densities", "0.1", "--rounds", "1",
                      "--budget-s", "0", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
-  assert result["rows"] == [] and result["whole_step"] == [] and len(result["skipped"]) == 9 + 4
+  assert result["rows"] == [] and result["whole_step"] == [] and len(result["skipped"]) == 11 + 5
   assert result["models"]["smallcnn"]["forward_backward_ms"] > 0
   assert check.main(["--small", "--models", "smallcnn", "--rounds", "1", "--budget-s", "0",
                      "--no-forward-backward", "--out", str(out)]) == 0

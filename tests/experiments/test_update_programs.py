@@ -7,10 +7,11 @@ def test_dlgs_has_one_conditional_and_no_sort():
   census = load("update_programs")
   rows = {r["method"]: r for r in census.measure(
       "smallcnn", only=["dense", "dlgs paper, buckets"])}
-  assert set(rows) == {"dense", "dlgs paper, buckets"}
+  assert set(rows) == {"dense", "dlgs paper, buckets", "dlgs paper, buckets, message budget"}
   dlgs = rows["dlgs paper, buckets"]
   # One conditional for the whole update: the thresholds of the next step.
-  assert dlgs["conditionals"] == 1 and dlgs["sorts"] == 0 and dlgs["top_k"] == 0, dlgs
+  for row in (dlgs, rows["dlgs paper, buckets, message budget"]):
+    assert row["conditionals"] == 1 and row["sorts"] == 0 and row["top_k"] == 0, row
   assert rows["dense"]["conditionals"] == 0
   table = census.table(list(rows.values()))
   assert f"| {dlgs['kernels']} | {dlgs['kernels'] - rows['dense']['kernels']} |" in table

@@ -48,7 +48,7 @@ def test_the_checked_updates_come_most_important_first_one_of_each():
   params = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
   listed = periods.checked_updates(0.1, 4, params)
   assert [(m, g) for m, g, _ in listed][:3] == [("dense", "-"), ("topk", "-"), ("gtopk", "-")]
-  assert len({(m, g) for m, g, _ in listed}) == len(listed) == 9
+  assert len({(m, g) for m, g, _ in listed}) == len(listed) == 11
 
 
 def test_a_result_is_written_whole_and_names_its_machine(tmp_path):
