@@ -2,12 +2,14 @@
 
 A preset `RunConfig` for ``dlgs-train``: SmallCNN on the real CIFAR-10 images
 shipped in the package, 4 simulated workers on CPU devices of one process, DLGS
-at density 0.01 (thresholds reused for 10 steps), SGD with momentum, 10 epochs
-(290 steps). Any ``dlgs-train`` flag given here overrides the preset:
+at density 0.01 (thresholds reused for 10 steps, one threshold for the model's
+one message: ``--budget message``), SGD with momentum, 10 epochs (290 steps).
+Any ``dlgs-train`` flag given here overrides the preset:
 
     dlgs-demo                       # the preset
     dlgs-demo --epochs 2 --density 0.1
     dlgs-demo --method dense        # the same run with dense all-reduce
+    dlgs-demo --budget layer        # a threshold per layer, the paper's budget
 
 It ends by saying where the run went, what each worker sent against a dense
 all-reduce, the accuracy next to dense's on the same preset, and what to try next.
@@ -34,8 +36,8 @@ DENSE_CITED = "docs/getting_started.md, \"The demo\""
 # checkout, other commands.
 NEXT_FLAGS = (
     ("--method dense", "the same run with a dense all-reduce"),
-    ("--send-whole head", "the classifier head sent whole"),
-    ("--density 0.1", "ten times the values a step"),
+    ("--budget layer", "a threshold per layer, k of each (the paper's budget)"),
+    ("--density 0.025", "2.5 times the values a step"),
 )
 NEXT_COMMANDS = (
     ("bash scripts/docs.sh", "the docs, with DLGS in your own NNX or Linen step"),
@@ -55,12 +57,18 @@ def next_steps() -> list[tuple[str, str]]:
   return steps + (list(NEXT_COMMANDS) if command.startswith("bash") else [])
 
 
-def preset() -> RunConfig:
-  """The demo's run; its workdir is new for each call (``runs/demo-<time>``)."""
+def preset(method: str = "dlgs") -> RunConfig:
+  """The demo's run; its workdir is new for each call (``runs/demo-<time>``).
+
+  Args:
+    method: the method the run takes (``--method``): DLGS with its message
+      budget, another method with its own defaults beside the preset's density.
+  """
+  budget = {"budget": "message"} if method == "dlgs" else {}
   return RunConfig(
       model=ModelConfig("smallcnn"),
       data=DataConfig(batch_size=32),
-      method=MethodConfig("dlgs", density=0.01, reuse_every=10),
+      method=MethodConfig(method, density=0.01, reuse_every=10, **budget),
       optimizer=OptimizerConfig(lr=0.05),
       schedule=ScheduleConfig(epochs=10),
       processes=ProcessConfig(local_devices=4),
@@ -92,6 +100,17 @@ def comparison_lines(config: RunConfig, summary: dict) -> list[str]:
           f"preset ({gap:+.1f} points; dense {cited})"]
 
 
+def config_of(argv) -> RunConfig:
+  """The run the demo's flags `argv` describe: the preset of their method, then each flag.
+
+  Raises:
+    SystemExit: naming a bad flag.
+  """
+  from dlgs_jax.cli import train
+  method = getattr(train.build_parser("dlgs-demo").parse_args(argv), "method", None)
+  return train.config_from_args(argv, base=preset(method or "dlgs"), prog="dlgs-demo")
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if "-h" in argv or "--help" in argv:
@@ -99,7 +118,7 @@ def main(argv=None) -> int:
   import os
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # simulated workers are CPU devices
   from dlgs_jax.cli import train
-  config = train.config_from_args(argv, base=preset(), prog="dlgs-demo")
+  config = config_of(argv)
   train.check_train_extra("dlgs-demo")
   summary = train.run(config, prog="dlgs-demo")
   import jax

@@ -105,9 +105,8 @@ class MethodConfig:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
     if self.budget not in engine.BUDGETS:
       raise ConfigError("budget", self.budget, f"choose from {engine.BUDGETS}")
-    if self.budget != "layer" and "budget" not in self.spec.options:
-      raise ConfigError("budget", self.budget, f"applies to dlgs, not {self.name}")
-    if self.budget == "message" and (self.send_whole or self.min_ndim):
+    if ("budget" in self.spec.options and self.budget == "message"
+        and (self.send_whole or self.min_ndim)):
       raise ConfigError("budget", self.budget, "sends no leaf whole: drop send_whole and "
                         "min_ndim, or take budget 'layer'")
     if self.collective not in engine.SPARSE_COLLECTIVES + (AUTO,):

@@ -160,6 +160,8 @@ def _log_start(run: Run) -> None:
           f"{config.data.batch_size}; {config.method.name}"
           + (f" density {density:g}" if density is not None else "")
           + (f" (warm-up {run.warmup} steps)" if run.warmup else "")
+          + (", a budget per message" if "budget" in config.method.spec.options
+             and config.method.budget == "message" else "")
           + (f", {len(run.plan.groups)} planned groups ({run.plan.planner})" if run.plan else "")
           + f"; {run.epochs} epochs x {run.steps_per_epoch} steps = {run.total_steps} steps")
 

@@ -7,20 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from dlgs_jax.cli import demo, train
+from dlgs_jax.cli import demo
 from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(*flags):
-  return train.config_from_args(list(flags), base=demo.preset())
+  return demo.config_of(list(flags))
 
 
 def test_the_dense_figure_applies_to_the_preset_whatever_the_method_or_workdir():
   assert demo.trains_as_preset(config())
   assert demo.trains_as_preset(config("--method", "dense", "--workdir", "/tmp/x"))
-  assert demo.trains_as_preset(config("--density", "0.1", "--send-whole", "head"))
+  assert demo.trains_as_preset(config("--density", "0.1", "--budget", "layer", "--send-whole",
+                                      "head"))
   assert not demo.trains_as_preset(config("--epochs", "2"))
   assert not demo.trains_as_preset(config("--seed", "1"))
 
@@ -71,4 +72,6 @@ def test_the_next_steps_are_commands_a_fresh_shell_runs(tmp_path, monkeypatch):
   assert ("bash scripts/docs.sh", demo.NEXT_COMMANDS[0][1]) in demo.next_steps()
   monkeypatch.chdir(tmp_path)
   assert [c for c, _ in demo.next_steps()] == [
-      "dlgs-demo --method dense", "dlgs-demo --send-whole head", "dlgs-demo --density 0.1"]
+      "dlgs-demo --method dense", "dlgs-demo --budget layer", "dlgs-demo --density 0.025"]
+  for command, _ in demo.next_steps():  # each one a run the demo takes
+    config(*command.split()[1:])

@@ -68,7 +68,6 @@ def test_configurations_run_density_free_methods_once():
     (MethodConfig(collective="ring"), "collective"),
     (MethodConfig(terngrad_clip=-1.0), "terngrad_clip"),
     (MethodConfig(budget="global"), "budget"),
-    (MethodConfig(name="lags", budget="message"), "budget"),
     (MethodConfig(budget="message", send_whole=("head",)), "budget"),
     (MethodConfig(budget="message", min_ndim=2), "budget"),
 ])
