@@ -170,7 +170,9 @@ def read_run(workdir: Path, model: str, density, fast_size: int = 1):
   summary = json.loads((workdir / "summary.json").read_text())
   if density is not None and summary.get("method") == "dlgs" and steps:
     method = json.loads((workdir / "config.json").read_text())["method"]
-    few_exact = method.get("refresh_below") is not None and method.get("candidates", 1) > 1
+    # A message budget selects each message as one: no leaf is exact on every step.
+    few_exact = (method.get("refresh_below") is not None and method.get("candidates", 1) > 1
+                 and method.get("budget", "layer") == "layer")
     summary["threshold_stats"] = threshold_stats(
         steps, model, density, fast_size, one_group=summary.get("plan_groups") == 1,
         few_exact=few_exact)

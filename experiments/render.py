@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
 # The Markdown files that hold rendered tables.
 FILES = ("README.md", "docs/results.md", "docs/choosing.md", "docs/hsdp.md",
-         "experiments/README.md")
+         "docs/getting_started.md", "experiments/README.md")
 BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 MODELS = {"resnet50": "ResNet-50 (32x32)", "vgg16": "VGG16", "resnet20": "ResNet-20"}
@@ -204,6 +204,33 @@ def demo_presets() -> str:
       ratio = f"1/{reference['bytes_sent_per_step'] / run['bytes_sent_per_step']:.1f}"
     lines.append(f"| `{run['command']}` | {100 * run['final_test_accuracy']:.1f}% | {gap} "
                  f"| {ratio} |")
+  return "\n".join(lines)
+
+
+def demo_budget() -> str:
+  """The demo's preset per budget, dense and Top-k: each seed, and the gap to dense paired by seed."""
+  runs = _load(RESULTS / "demo_presets" / "budget.json")["runs"]
+  seeds = sorted({run["seed"] for run in runs})
+  by = {(run["name"], run["seed"]): run for run in runs}
+  names = list(dict.fromkeys(run["name"] for run in runs))
+  lines = ["| run | " + " | ".join(f"seed {s}" for s in seeds)
+           + " | − dense, paired (points) | bytes / dense's |",
+           "|---|" + "---|" * len(seeds) + "---|---|"]
+  for name in names:
+    mine = [by.get((name, s)) for s in seeds]
+    cells = [f"{100 * r['final_test_accuracy']:.1f}%" if r else "" for r in mine]
+    pairs = [(r, by.get(("dense", s))) for r, s in zip(mine, seeds)]
+    gaps = [100 * (r["final_test_accuracy"] - d["final_test_accuracy"]) for r, d in pairs
+            if r and d]
+    gap = ratio = ""
+    if name != "dense" and gaps:
+      gap = f"{statistics.mean(gaps):+.1f}" + (f" ± {statistics.stdev(gaps):.1f}"
+                                                 if len(gaps) > 1 else " (one seed)")
+      first = next((r, d) for r, d in pairs if r and d)
+      ratio = f"1/{first[1]['bytes_sent_per_step'] / first[0]['bytes_sent_per_step']:.1f}"
+    flags = mine[0]["flags"] if mine[0] else next(r for r in mine if r)["flags"]
+    lines.append(f"| `{flags}` | " + " | ".join(cells) + f" | {gap.replace('-', '−')} | "
+                 f"{ratio or ('1' if name == 'dense' else '')} |")
   return "\n".join(lines)
 
 
@@ -545,6 +572,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "hsdp-memory": hsdp_memory,
     "hsdp-manual": hsdp_manual,
     "demo-presets": demo_presets,
+    "demo-budget": demo_budget,
     "update-kernels": update_kernels,
     "cluster-speedups": speedups,
     "cluster-speedups-commands": lambda: speedups(commands=True),
