@@ -339,7 +339,9 @@ FULL_CIFAR_ROWS = (
     ("DLGS, default", "dlgs", 0.1), ("DLGS, paper's rule, head whole", "dlgs-paper-head", 0.1),
     ("DLGS, paper's rule, density 0.01", "dlgs-paper", 0.01),
     ("DLGS, default, density 0.01", "dlgs", 0.01), ("Top-k", "topk", 0.1), ("LAGS", "lags", 0.1),
-    ("DLGS, the owners' exchange", "dlgs-owners", 0.1))
+    ("DLGS, the owners' exchange", "dlgs-owners", 0.1), ("Top-k, density 0.01", "topk", 0.01),
+    ("DLGS, a budget per message", "dlgs-message", 0.1),
+    ("DLGS, a budget per message, density 0.01", "dlgs-message", 0.01))
 
 
 def full_cifar() -> str:
