@@ -103,7 +103,9 @@ def full_steps() -> list[tuple[str, list[str]]]:
   landed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / r / "accuracy_full").glob(
       "*_seed*/results.json"))
   versus = "dlgs-paper:dlgs" + (",dlgs-paper-head:dlgs-paper" if any(
-      "/dlgs-paper-head_seed" in p for p in landed) else "")
+      "/dlgs-paper-head_seed" in p for p in landed) else "") + (
+      ",dlgs-message:dlgs,dlgs-message:topk" if any("/dlgs-message_" in p for p in landed)
+      else "")
   return [
       *accuracy_full,
       ("accuracy_full_table", [e + "accuracy.py", "--merge", ",".join(landed), "--out-dir",
