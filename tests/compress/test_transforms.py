@@ -429,6 +429,20 @@ def test_a_mask_that_does_not_fit_the_tree_is_refused_at_init(send_whole, match)
     dlgs_jax.dlgs(0.1, send_whole=send_whole).init(PARAMS)
 
 
+def numpy_select(acc, thresholds, cap, k, *, exact):
+  """One segment's step on every worker (the rows of `acc`): the first `cap` nonzero values
+  at or above each worker's threshold are sent; on an `exact` step each worker's threshold
+  becomes its k-th largest |g| (in place). Returns (their sum over workers, the residuals)."""
+  total, res = np.zeros(acc.shape[1]), acc.copy()
+  for w in range(acc.shape[0]):
+    idx = np.flatnonzero((np.abs(acc[w]) >= thresholds[w]) & (acc[w] != 0))[:cap]
+    total[idx] += acc[w, idx]
+    res[w, idx] = 0
+    if exact:
+      thresholds[w] = np.sort(np.abs(acc[w]))[::-1][k - 1]
+  return total, res
+
+
 def numpy_dlgs_steps(steps, density, every, capacity_factor=1.0):
   """NumPy reference of DLGS on the paper's schedule, per leaf and worker.
 
@@ -448,13 +462,7 @@ def numpy_dlgs_steps(steps, density, every, capacity_factor=1.0):
       acc = (g + e).reshape(W, -1)
       k = max(1, int(np.ceil(density * acc.shape[1])))
       cap = min(acc.shape[1], int(np.ceil(capacity_factor * k)))
-      total, res = np.zeros(acc.shape[1]), acc.copy()
-      for w in range(W):
-        idx = np.flatnonzero((np.abs(acc[w]) >= thresholds[i][w]) & (acc[w] != 0))[:cap]
-        total[idx] += acc[w, idx]
-        res[w, idx] = 0
-        if t % every == 0:
-          thresholds[i][w] = np.sort(np.abs(acc[w]))[::-1][k - 1]
+      total, res = numpy_select(acc, thresholds[i], cap, k, exact=t % every == 0)
       means.append(total / W)
       kept.append(res.reshape(g.shape))
     residual = kept
@@ -498,13 +506,7 @@ def numpy_message_steps(steps, density, every, groups):
     for i, group in enumerate(groups):
       acc = np.concatenate([grads[p] + residual[p] for p in group], axis=1)
       k = sum(max(1, int(np.ceil(density * grads[p].shape[1]))) for p in group)
-      total, res = np.zeros(acc.shape[1]), acc.copy()
-      for w in range(W):
-        idx = np.flatnonzero((np.abs(acc[w]) >= thresholds[i][w]) & (acc[w] != 0))[:k]
-        total[idx] += acc[w, idx]
-        res[w, idx] = 0
-        if t % every == 0:
-          thresholds[i][w] = np.sort(np.abs(acc[w]))[::-1][k - 1]
+      total, res = numpy_select(acc, thresholds[i], k, k, exact=t % every == 0)
       ends = np.cumsum([0] + [grads[p].shape[1] for p in group])
       for p, a, b in zip(group, ends[:-1], ends[1:]):
         means[p], kept[p] = total[a:b] / W, res[:, a:b]
