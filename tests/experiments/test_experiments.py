@@ -433,6 +433,10 @@ def test_the_full_cifar_table_pairs_the_head_run_once_it_has_landed(tmp_path, mo
   (folder / "dlgs-paper-head_seed0" / "results.json").write_text("{}")
   versus, merged = table_versus()
   assert versus == "dlgs-paper:dlgs,dlgs-paper-head:dlgs-paper" and "head_seed0" in merged
+  (folder / "dlgs-message_0.01_seed0").mkdir()
+  (folder / "dlgs-message_0.01_seed0" / "results.json").write_text("{}")
+  versus, merged = table_versus()
+  assert versus.endswith(",dlgs-message:dlgs,dlgs-message:topk") and "message_0.01" in merged
 
 
 def test_every_suite_step_names_a_section_the_report_has(tmp_path):
