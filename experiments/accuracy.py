@@ -215,8 +215,9 @@ def threshold_stats(steps, model: str, density: float, fast_size: int = 1, *,
 
 
 # The settings that must agree for runs to be compared in one table.
-MERGE_KEYS = ("model", "workers", "epochs", "batch_size", "lr", "data", "plan_dir",
-              "node_size")
+# A plan (`plan_dir`) groups one method's messages: part of that method's row, not of
+# the settings every row shares.
+MERGE_KEYS = ("model", "workers", "epochs", "batch_size", "lr", "data", "node_size")
 
 
 def merge_results(paths):
