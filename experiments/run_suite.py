@@ -136,6 +136,14 @@ def full_steps() -> list[tuple[str, list[str]]]:
         for model, plans, rounds, steps in [("resnet20", "cluster_resnet20", 20, 3),
                                             ("vgg16", "cluster", 6, 2)]
         for link in ["", "100mbit"]],
+      # The budget per message against the budget per layer and Top-k, every method
+      # one message (the plans' grouping; the message variants have none and send one).
+      *[(f"compare_message_{model}_100mbit", compare(
+          model, 0.01, "dense,topk,dlgs,dlgs-message,dlgs-paper,dlgs-paper-message", rounds,
+          steps, "--out-dir", f"{r}compare/message/{model}_100mbit", plans=plans,
+          bandwidth="100mbit"))
+        for model, plans, rounds, steps in [("resnet20", "cluster_resnet20", 20, 3),
+                                            ("vgg16", "cluster", 6, 2)]],
       # Four ResNet-50 processes fit the VM's 24 GiB with four methods each, two
       # of them compiling at a time (six methods ran out of memory).
       *[(f"compare_batched_resnet50_{link or '1gbit'}{suffix}", compare(
