@@ -14,7 +14,9 @@ collects each run's per-epoch test accuracy and loss.
     python experiments/accuracy.py --merge a/results.json,b/results.json --out-dir both
     python experiments/accuracy.py --simulate --methods dense,dlgs --densities 0.01  # one GPU
 
-Writes results.json, results.md and curves.png under --out-dir. A run whose
+Writes results.json, results.md and curves.png under --out-dir; each run in
+results.json names the code it trained with (`code_version`: the commit, and
+whether dlgs_jax/ differed from it), so a table can say which code it shows. A run whose
 summary already exists with the same settings is reused (runs take minutes
 each), and one interrupted after an epoch's checkpoint is resumed, unless
 --rerun; one made by another command stops the script before any training,
@@ -340,6 +342,7 @@ def main(argv=None) -> int:
         workdir.mkdir(parents=True)
         settings_file.write_text(json.dumps(command[1:]))
         print(f"== {label}: {' '.join(command[1:])}", flush=True)
+      record_code(workdir)
       started = time.time()
       status = subprocess.run(run_command, cwd=ROOT).returncode
       if status != 0:
@@ -356,6 +359,7 @@ def main(argv=None) -> int:
                                args.node_size if exchange_of(method)[1] else 1)
     results.append({"method": method, "density": None if free(method) else density,
                     "seed": seed, "epochs": epochs, "summary": summary,
+                    "code": recorded_code(workdir),
                     "command": "python -m dlgs_jax.cli.train " + " ".join(command[3:])})
   meta = {"command": command,
           "model": args.model, "workers": args.workers, "simulated": args.simulate,
@@ -394,6 +398,28 @@ def finished(workdir: Path) -> bool:
   """Whether a run directory holds a run that reached its last step."""
   summary = workdir / "summary.json"
   return summary.exists() and not json.loads(summary.read_text()).get("stopped_early")
+
+
+def code_version() -> str:
+  """The commit the package's code is at, "+changes" where dlgs_jax/ differs from it."""
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+  head = git("rev-parse", "--short", "HEAD") or "unknown"
+  return head + ("+changes" if git("status", "--porcelain", "--", "dlgs_jax") else "")
+
+
+def record_code(workdir: Path) -> None:
+  """Adds the code a run trains with to its directory's list (a resumed run may add another)."""
+  versions, now = recorded_code(workdir) or [], code_version()
+  if now not in versions:
+    (workdir / "code.json").write_text(json.dumps(versions + [now]))
+
+
+def recorded_code(workdir: Path):
+  """The code versions a run directory trained with (`code_version`, in order), or None."""
+  path = workdir / "code.json"
+  return json.loads(path.read_text()) if path.exists() else None
 
 
 def recorded_command(workdir: Path):

@@ -100,10 +100,14 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   assert results["meta"]["data"] == str(cifar)
   assert [(r["method"], r["density"]) for r in results["results"]] == [("dense", None),
                                                                       ("dlgs", 0.1)]
+  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                        text=True).stdout.strip() or "unknown"
   for r in results["results"]:
     assert len(r["epochs"]) == 1
     assert 0.0 <= r["epochs"][0]["test_accuracy"] <= 1.0
     assert r["summary"]["workers"] == 2
+    # The code each run trained with ("+changes": dlgs_jax/ differed from the commit).
+    assert len(r["code"]) == 1 and r["code"][0].removesuffix("+changes") == head
   dense, dlgs = (r["summary"] for r in results["results"])
   # DLGS at density 0.1 sends far less than the dense all-reduce of the same model.
   dense_sent = dense["bytes_sent_per_step"] or dense["dense_bytes_per_step"]
@@ -132,6 +136,8 @@ def test_accuracy_runs_train_every_method_and_reuse_finished_runs(tmp_path):
   assert "resumed from step 5" in resumed.stdout, resumed.stdout[-3000:]
   again = json.loads((dense_dir / "summary.json").read_text())
   assert again["params_sha256"] == dense["params_sha256"]
+  # Resumed on the same code, the run still names one version of it.
+  assert json.loads((dense_dir / "code.json").read_text()) == results["results"][0]["code"]
   # So is one a signal stopped early: its summary says so, and it is not taken as finished.
   (dense_dir / "summary.json").write_text(json.dumps(dict(again, stopped_early=True,
                                                           stopped_by="SIGTERM")))
