@@ -162,6 +162,30 @@ def cluster_report() -> str:
   return "\n".join(lines)
 
 
+MESSAGE_METHODS = (("topk", "Top-k"), ("dlgs", "`dlgs`"), ("dlgs-message", "`dlgs-message`"),
+                   ("dlgs-paper", "`dlgs-paper`"), ("dlgs-paper-message", "`dlgs-paper-message`"))
+
+
+def cluster_message() -> str:
+  """The budget per message against the budget per layer and Top-k, one paired job per model."""
+  lines = ["| model | link | dense step | " + " | ".join(name for _, name in MESSAGE_METHODS)
+           + " | rounds ahead of Top-k, per message: default / paper's rule |",
+           "|---" * (4 + len(MESSAGE_METHODS)) + "|"]
+  for model in ("vgg16", "resnet20"):
+    run = _load(RESULTS / "compare" / "message" / f"{model}_100mbit" / f"compare_{model}_0.01.json")
+    if run is None:
+      continue
+    cells = [MODELS[model], LINKS["100mbit"], f"{run['methods']['dense']['median'] * 1e3:.0f} ms"]
+    for method, _ in MESSAGE_METHODS:
+      row = _summary(run, method)
+      cells.append(f"{row['median'] * 1e3:.1f} ms, {row['speedup']:.2f}x")
+    wins = run["wins"]
+    cells.append(f"{wins['dlgs-message']['topk']} / {wins['dlgs-paper-message']['topk']} "
+                 f"of {len(run['round_orders'])}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def update_kernels() -> str:
   """Kernels a compiled update launches / its conditionals, over dense's, and compile seconds."""
   run = _load(RESULTS / "update_programs" / "cpu.json")
@@ -169,7 +193,9 @@ def update_kernels() -> str:
              ("dlgs paper, one group", "paper's rule, one group"),
              ("dlgs default, one group", "default, one group"),
              ("dlgs paper, buckets", "paper's, buckets"),
-             ("dlgs default, buckets", "default, buckets")]
+             ("dlgs default, buckets", "default, buckets"),
+             ("dlgs paper, buckets, message budget", "paper's, buckets, per message"),
+             ("dlgs default, buckets, message budget", "default, buckets, per message")]
   lines = ["| model (dense) | " + " | ".join(name for _, name in columns) + " |",
            "|---" * (1 + len(columns)) + "|"]
   for model in dict.fromkeys(row["model"] for row in run["rows"]):
@@ -579,6 +605,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cluster-speedups": speedups,
     "cluster-speedups-commands": lambda: speedups(commands=True),
     "cluster-report": cluster_report,
+    "cluster-message": cluster_message,
     "predicted-scaling": predicted_scaling,
     "predicted-nodes": predicted_nodes,
     "owners-crossover": owners_crossover,
