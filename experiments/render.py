@@ -337,6 +337,11 @@ def owners_cluster() -> str:
   return "\n".join(lines)
 
 
+def _code_label(code: tuple) -> str:
+  """The commits a run trained at (`accuracy.code_version`), or what a run without the record means."""
+  return "+".join(code) if code else "a commit before runs recorded theirs"
+
+
 def owners_accuracy() -> str:
   """The demo's preset with the owners' exchange, the all-gather and gTop-k: accuracy, bytes;
   then full CIFAR-10, the owners' DLGS against the all-gather's, paired by seed."""
@@ -344,16 +349,21 @@ def owners_accuracy() -> str:
   lines = ["| run | final test accuracy | bytes a worker a step |", "|---|---|---|"]
   lines += [f"| `{run['command']}` | {100 * run['final_test_accuracy']:.1f}% | "
             f"{run['bytes_sent_per_step'] / 1e3:.0f} kB |" for run in runs]
-  full = {(r["method"], r["density"], r["seed"]): r["summary"] for r in _load(
-      RESULTS / "accuracy_full" / "table" / "results.json")["results"]}
+  table = _load(RESULTS / "accuracy_full" / "table" / "results.json")["results"]
+  full = {(r["method"], r["density"], r["seed"]): r["summary"] for r in table}
+  full_code = {(r["method"], r["density"], r["seed"]): tuple(r.get("code") or ()) for r in table}
   for (method, density, seed), summary in sorted(full.items()):
     twin = full.get(("dlgs", density, seed))
     if method != "dlgs-owners" or twin is None:
       continue
     gap = 100 * (summary["final_test_accuracy"] - twin["final_test_accuracy"])
+    codes = [full_code.get((m, density, seed)) for m in ("dlgs", "dlgs-owners")]
+    # A gap between runs of different code mixes the method with the code's changes.
+    code = "" if codes[0] == codes[1] else (
+        f"; dlgs trained at {_code_label(codes[0])}, dlgs-owners at {_code_label(codes[1])}")
     lines.append(f"| full CIFAR-10, ResNet-20, {density:g}, seed {seed}: dlgs-owners against "
                  f"dlgs ({100 * twin['final_test_accuracy']:.2f}%, paired gap "
-                 f"{gap:+.2f} points) | {100 * summary['final_test_accuracy']:.2f}% | "
+                 f"{gap:+.2f} points{code}) | {100 * summary['final_test_accuracy']:.2f}% | "
                  f"{summary['bytes_sent_per_step'] / 1e3:.0f} kB (dlgs "
                  f"{twin['bytes_sent_per_step'] / 1e3:.0f} kB) |".replace("+-", "-"))
   return "\n".join(lines)

@@ -46,3 +46,29 @@ def test_the_cluster_cells_come_from_the_summary_of_the_run():
 def test_a_block_naming_no_table_is_refused_in_one_line():
   with pytest.raises(ValueError, match=r"'<!-- table: nope -->' names no table; choose one of"):
     render.render("<!-- table: nope -->\n| x |\n<!-- end table -->\n", "page.md")
+
+
+def test_the_owners_gap_names_the_code_of_each_run_when_they_differ(monkeypatch):
+  def summary(acc):
+    return {"final_test_accuracy": acc, "bytes_sent_per_step": 6.0e5}
+
+  def table(owners_code, dlgs_code):
+    rows = [{"method": "dlgs-owners", "density": 0.1, "seed": 0, "summary": summary(0.89)},
+            {"method": "dlgs", "density": 0.1, "seed": 0, "summary": summary(0.894)}]
+    for row, code in zip(rows, (owners_code, dlgs_code)):
+      if code:
+        row["code"] = code
+    return {"results": rows}
+
+  def rendered(owners_code, dlgs_code):
+    def load(path):
+      return ({"runs": []} if path.name == "demo_accuracy.json"
+              else table(owners_code, dlgs_code))
+    monkeypatch.setattr(render, "_load", load)
+    return render.owners_accuracy().split("\n")[-1]
+
+  same = rendered(["abc1234"], ["abc1234"])
+  assert "paired gap -0.40 points) | 89.00%" in same and "trained at" not in same
+  mixed = rendered(None, ["abc1234"])
+  assert ("paired gap -0.40 points; dlgs trained at abc1234, dlgs-owners at a commit before "
+          "runs recorded theirs)") in mixed
