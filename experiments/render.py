@@ -338,7 +338,7 @@ def owners_cluster() -> str:
 
 
 def _code_label(code: tuple) -> str:
-  """The commits a run trained at (`accuracy.code_version`), or what a run without the record means."""
+  """The commits a run trained at (`accuracy.code_version`), or what their absence means."""
   return "+".join(code) if code else "a commit before runs recorded theirs"
 
 
@@ -349,15 +349,15 @@ def owners_accuracy() -> str:
   lines = ["| run | final test accuracy | bytes a worker a step |", "|---|---|---|"]
   lines += [f"| `{run['command']}` | {100 * run['final_test_accuracy']:.1f}% | "
             f"{run['bytes_sent_per_step'] / 1e3:.0f} kB |" for run in runs]
-  table = _load(RESULTS / "accuracy_full" / "table" / "results.json")["results"]
-  full = {(r["method"], r["density"], r["seed"]): r["summary"] for r in table}
-  full_code = {(r["method"], r["density"], r["seed"]): tuple(r.get("code") or ()) for r in table}
-  for (method, density, seed), summary in sorted(full.items()):
-    twin = full.get(("dlgs", density, seed))
-    if method != "dlgs-owners" or twin is None:
+  full = {(r["method"], r["density"], r["seed"]): r for r in _load(
+      RESULTS / "accuracy_full" / "table" / "results.json")["results"]}
+  for (method, density, seed), run in sorted(full.items()):
+    if method != "dlgs-owners" or ("dlgs", density, seed) not in full:
       continue
+    other = full[("dlgs", density, seed)]
+    summary, twin = run["summary"], other["summary"]
     gap = 100 * (summary["final_test_accuracy"] - twin["final_test_accuracy"])
-    codes = [full_code.get((m, density, seed)) for m in ("dlgs", "dlgs-owners")]
+    codes = [tuple(r.get("code") or ()) for r in (other, run)]
     # A gap between runs of different code mixes the method with the code's changes.
     code = "" if codes[0] == codes[1] else (
         f"; dlgs trained at {_code_label(codes[0])}, dlgs-owners at {_code_label(codes[1])}")
