@@ -227,18 +227,22 @@ class AdaptedReuse:
                                         sizes[i]) for i in aimed]
     counts = count(trials, strides, aimed).astype(jnp.float32) + 0.5
     target = jnp.asarray(self.target * np.asarray(ks, np.float32)[aimed_at])[:, None]
-    last_above = jnp.sum(counts > target, axis=1) - 1
-    lo = jnp.clip(last_above, 0, len(factors) - 2)[:, None]
-    c_lo = jnp.take_along_axis(counts, lo, axis=1)
-    c_hi = jnp.take_along_axis(counts, lo + 1, axis=1)
+    # Every adjacent pair interpolated, and the bracketing one kept, in one
+    # pass: the counts fall with the threshold, so those above the target are
+    # a prefix and the pair is where it ends (the first pair if none is
+    # above, the last if all are).
+    above = counts > target
+    pairs = np.arange(len(factors) - 1)
+    ends = (((pairs == 0) | above[:, :-1])
+            & ((pairs == len(factors) - 2) | ~above[:, 1:]))
+    c_lo, c_hi = counts[:, :-1], counts[:, 1:]
     rise = c_lo - target
     span = c_lo - c_hi
     part = jnp.where(span > 0, rise / jnp.where(span > 0, span, 1.0),
                      (rise > 0).astype(jnp.float32))
-    part = jnp.clip(part, 0.0, 1.0)[:, 0]
-    f_lo = jnp.asarray(factors)[lo[:, 0]]
-    f_hi = jnp.asarray(factors)[lo[:, 0] + 1]
-    factor = f_lo + part * (f_hi - f_lo)
+    part = jnp.clip(part, 0.0, 1.0)
+    f_lo, f_hi = factors[None, :-1], factors[None, 1:]
+    factor = jnp.sum(jnp.where(ends, f_lo + part * (f_hi - f_lo), 0.0), axis=1)
     return selection.set_at(previous, aimed_at, previous[aimed_at] * factor)
 
   def drifted(self, passed, ks, capacities, sparse, live) -> jax.Array:

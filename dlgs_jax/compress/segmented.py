@@ -40,6 +40,13 @@ from jax import lax
 from dlgs_jax.compress import selection
 
 WORD = 32
+# Values summed per product with the triangle: larger blocks do more
+# arithmetic per value, smaller ones more levels (128: 7 kernels over 200K
+# values on XLA:CPU, against 11 for its own running sum).
+_SCAN_BLOCK = 128
+# float32 holds every integer below 2^24 exactly.
+_FLOAT_EXACT = 1 << 24
+
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
@@ -121,13 +128,19 @@ def _leaf_table(counts: tuple[int, ...]) -> jax.Array:
                                  np.asarray(counts, np.int64)))
 
 
-def segment_sums(per_word_values: jax.Array, segs: Segments) -> jax.Array:
+def segment_sums(per_word_values: jax.Array, segs: Segments, bound: int) -> jax.Array:
   """Per-leaf totals [L, ...] of int32 per-word numbers [W, ...], in one scatter-add.
 
   A prefix sum would do it too, but XLA splits a long one into a tree of
   about ten kernels; the scatter is one (into L bins, by the leaf table).
+  One leaf's is a sum, in float32 where `bound` (a static bound on every
+  total) keeps it exact: XLA:CPU fuses that into one kernel, an int32 sum
+  into a tree of three.
   """
   if len(segs.sizes) == 1:
+    if bound < _FLOAT_EXACT:
+      return jnp.sum(per_word_values.astype(jnp.float32), axis=0,
+                     keepdims=True).astype(per_word_values.dtype)
     return jnp.sum(per_word_values, axis=0, keepdims=True)
   bins = jnp.zeros((len(segs.sizes),) + per_word_values.shape[1:], per_word_values.dtype)
   return bins.at[_leaf_table(segs.words)].add(per_word_values, mode="drop")
@@ -158,7 +171,7 @@ def _pack_bits(mask: jax.Array) -> jax.Array:
 
 def passing_counts(words: jax.Array, segs: Segments) -> jax.Array:
   """Values passing per leaf (int32 [L], or [L, M]) from `pack`'s words."""
-  return segment_sums(lax.population_count(words).astype(jnp.int32), segs)
+  return segment_sums(lax.population_count(words).astype(jnp.int32), segs, segs.length)
 
 
 def kth_largest(flat: jax.Array, segs: Segments, ks: Sequence[int], bits: int = 31
@@ -190,6 +203,7 @@ def kth_largest(flat: jax.Array, segs: Segments, ks: Sequence[int], bits: int = 
   keys = lax.bitcast_convert_type(jnp.abs(flat), jnp.uint32).reshape(-1, WORD)
   leaf = _leaf_table(segs.words)[:, None] if num_leaves > 1 else 0
   remaining = _int32(ks)
+  max_size = WORD * max(segs.words)  # a bound on every bin's count
   prefix = jnp.zeros((num_leaves,), jnp.uint32)
   done = 31  # bits above `done` are found (bit 31, the sign, is 0)
   for digit_bits in _digits(bits):
@@ -202,10 +216,15 @@ def kth_largest(flat: jax.Array, segs: Segments, ks: Sequence[int], bits: int = 
       slot = jnp.where(same, slot, num_leaves * bins)  # dropped
     histogram = jnp.zeros((num_leaves * bins,), jnp.int32).at[slot.reshape(-1)].add(
         1, mode="drop").reshape(num_leaves, bins)
-    at_or_above = jnp.cumsum(histogram[:, ::-1], axis=1)[:, ::-1]
+    at_or_above = running_sums(histogram[:, ::-1], max_size)[:, ::-1]
     # Counts fall with the digit: those reaching the rank are a prefix of it.
-    chosen = jnp.maximum(jnp.sum(at_or_above >= remaining[:, None], axis=1) - 1, 0)
-    above = jnp.sum(jnp.where(jnp.arange(bins) > chosen[:, None], histogram, 0), axis=1)
+    # (Summed in float32, exact below 2^24: XLA:CPU fuses such a sum into one
+    # kernel, an int32 one into a tree of three.)
+    reached = jnp.sum(at_or_above >= remaining[:, None], axis=1, dtype=jnp.float32)
+    chosen = jnp.maximum(reached.astype(jnp.int32) - 1, 0)
+    # Values above the chosen digit: the running sum one digit up (0 past the top).
+    above = jnp.take_along_axis(jnp.pad(at_or_above, ((0, 0), (0, 1))),
+                                chosen[:, None] + 1, axis=1)[:, 0]
     remaining = remaining - above
     prefix = prefix | (chosen.astype(jnp.uint32) << shift)
     done = shift
@@ -225,15 +244,57 @@ def _digits(bits: int) -> list[int]:
   return [bits // passes + (i < bits % passes) for i in range(passes)]
 
 
+def running_sums(values: jax.Array, bound: int) -> jax.Array:
+  """Inclusive running sums of non-negative int32 `values` along their last axis, exact.
+
+  Blocks of `_SCAN_BLOCK` values are summed by a product with a triangular
+  matrix of ones, and the blocks' totals carried by the same running sum one
+  level up. Products run in float32 when every partial sum is below 2^24
+  (``bound``, a static bound on each row's total, says so) and in int32
+  otherwise: exact either way, whatever order the products sum in.
+
+  Args:
+    values: int32 [..., n], >= 0.
+    bound: a static upper bound on ``values.sum(-1)``.
+
+  Returns:
+    int32, shaped as `values`.
+  """
+  dtype = jnp.float32 if bound < _FLOAT_EXACT else jnp.int32
+  return _block_sums(values.astype(dtype)).astype(jnp.int32)
+
+
+def _block_sums(values: jax.Array) -> jax.Array:
+  *rows, n = values.shape
+  width = min(n, _SCAN_BLOCK)
+  padded = jnp.pad(values, [(0, 0)] * len(rows) + [(0, -n % width)])
+  blocks = padded.reshape(*rows, -1, width)
+  # HIGHEST: no float32 product may round its inputs (a GPU's TF32 would).
+  within = jnp.dot(blocks, _triangle(width).astype(values.dtype),
+                   precision=lax.Precision.HIGHEST, preferred_element_type=values.dtype)
+  if within.shape[-2] > 1:
+    totals = within[..., -1]
+    within = within + (_block_sums(totals) - totals)[..., None]
+  return within.reshape(*rows, -1)[..., :n]
+
+
+@functools.lru_cache(maxsize=8)
+def _triangle(width: int) -> jax.Array:
+  """Upper-triangular ones [width, width] (``x @ T`` is x's running sum), float32."""
+  with jax.ensure_compile_time_eval():
+    return jnp.asarray(np.triu(np.ones((width, width), np.float32)))
+
+
 def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
             ) -> tuple[jax.Array, jax.Array]:
   """Buffer positions of the passing values, capacities[l] slots per leaf, leaf after leaf.
 
   A scatter of every position into the buffer is the obvious way and costs
-  as much as a sort on CPU. Instead a prefix sum over the words' popcounts
-  gives each word its first slot within its leaf, a running max spreads word
-  indices over the slots, and a 5-step bit search finds the bit: a scatter of
-  n/32 words and O(capacity) work. Leaf l's slots are ``[sum(capacities[:l]), + capacities[l])``,
+  as much as a sort on CPU. Instead a running sum over the words' popcounts
+  gives each word its slots within its leaf, a count of the words ending at
+  each slot and a running sum over the slots name the word holding each
+  slot's value, and a 5-step bit search finds the bit: a scatter of n/32
+  words and O(capacity) work. Leaf l's slots are ``[sum(capacities[:l]), + capacities[l])``,
   holding its first ``min(passed_l, capacity_l)`` passing values in index order.
 
   Args:
@@ -251,20 +312,21 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
   total = int(capacities.sum())
   slot_starts = np.concatenate([[0], np.cumsum(capacities)[:-1]]).astype(np.int32)
   counts = lax.population_count(words).astype(jnp.int32)
-  inclusive = jnp.cumsum(counts)
+  inclusive = running_sums(counts, segs.length)
   word_starts = inclusive - counts
   # Passing values up to each leaf's end, and before its start: its count is
   # their difference, read off the prefix sum the slots need anyway.
   leaf_base = word_starts[segs.word_ends - np.asarray(segs.words)]
   passed = inclusive[segs.word_ends - 1] - leaf_base
-  rank = word_starts - per_word(leaf_base, segs)  # rank in its leaf of the word's first value
-  fits = (counts > 0) & (rank < per_word(jnp.asarray(capacities, jnp.int32), segs))
-  first_slot = per_word(jnp.asarray(slot_starts), segs) + rank
-  # Each nonempty word marks its first slot; a running max carries it over the
-  # slots it fills (slots and word indices grow together, leaf after leaf).
-  marks = jnp.zeros((total,), jnp.int32).at[jnp.where(fits, first_slot, total)].max(
-      jnp.arange(num_words, dtype=jnp.int32), mode="drop")
-  word_index = lax.cummax(marks)
+  # The slot after each word's last value (its leaf's end if it overflows):
+  # the word holding slot s's value is the number of words ending at or
+  # before s, leaf after leaf, so a count of word ends per slot and a running
+  # sum over the slots name it.
+  ends = jnp.minimum(inclusive - per_word(leaf_base, segs),
+                     per_word(jnp.asarray(capacities, jnp.int32), segs))
+  ends = per_word(jnp.asarray(slot_starts), segs) + ends
+  word_ends = jnp.zeros((total,), jnp.int32).at[ends].add(1, mode="drop")
+  word_index = jnp.minimum(running_sums(word_ends, num_words), num_words - 1)
   local = jnp.arange(total, dtype=jnp.int32) - _repeat(jnp.asarray(slot_starts), capacities)
   bit = selection.bit_of_rank(words[word_index],
                      local + _repeat(leaf_base, capacities) - word_starts[word_index])
@@ -360,6 +422,10 @@ def leaf_samples(flat: jax.Array, segs: Segments, leaves: Sequence[int],
   """
   counts = [-(-segs.sizes[i] // stride) for i, stride in zip(leaves, strides)]
   sample_segs = Segments(tuple(counts))
+  if len(leaves) == 1:  # a strided slice, which fuses into what reads it
+    start = segs.offsets[leaves[0]]
+    taken = lax.slice(flat, (start,), (start + segs.sizes[leaves[0]],), (strides[0],))
+    return jnp.pad(taken, (0, sample_segs.length - counts[0])), sample_segs
   starts = np.asarray([segs.offsets[i] for i in leaves], np.int64)
   first_word = sample_segs.word_ends - np.asarray(sample_segs.words)
   # Per word of the sample: where its leaf starts in `flat`, its stride, and
@@ -389,6 +455,14 @@ def count_at(flat: jax.Array, segs: Segments, thresholds: jax.Array, strides: Se
   Returns:
     int32 [N, M].
   """
+  if len(leaves) == 1 and segs.sizes[leaves[0]] < _FLOAT_EXACT:
+    # One leaf: a strided slice compared and summed in one pass, no packing.
+    start = segs.offsets[leaves[0]]
+    magnitude = jnp.abs(lax.slice(flat, (start,), (start + segs.sizes[leaves[0]],),
+                                  (strides[0],)))[:, None]
+    passing = (magnitude >= thresholds[0][None, :]) & (magnitude > 0)
+    counts = jnp.sum(passing, axis=0, dtype=jnp.float32).astype(jnp.int32)[None]
+    return counts * _int32(strides)[:, None]
   samples, sample_segs = leaf_samples(flat, segs, leaves, strides)
   counts = passing_counts(pack(samples, thresholds, sample_segs), sample_segs)
   return counts * _int32(strides)[:, None]

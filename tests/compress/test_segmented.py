@@ -120,6 +120,42 @@ def test_samples_and_counts_match_numpy_for_all_leaves_or_some():
     np.testing.assert_array_equal(np.asarray(part), leaves[i][::s])
 
 
+def test_one_leafs_samples_and_counts_match_those_of_several():
+  """A single leaf is sampled by a strided slice and counted unpacked: same numbers."""
+  rng = np.random.default_rng(6)
+  leaves = make_leaves(rng, zeros=0.2)
+  flat, segs = laid(leaves)
+  trials = rng.uniform(0.1, 2.0, (1, 5)).astype(np.float32)
+  for leaf, stride in ((4, 7), (2, 3), (0, 1)):
+    alone = jax.jit(lambda v, i=leaf, s=stride: segmented.count_at(
+        v, segs, jnp.asarray(trials), [s], [i]))(flat)
+    sample = np.abs(leaves[leaf][::stride])
+    want = [stride * int(np.sum((sample >= t) & (sample > 0))) for t in trials[0]]
+    np.testing.assert_array_equal(np.asarray(alone)[0], want)
+    samples, sample_segs = segmented.leaf_samples(flat, segs, [leaf], [stride])
+    assert samples.shape == (sample_segs.length,)
+    np.testing.assert_array_equal(np.asarray(samples)[:sample_segs.sizes[0]],
+                                  leaves[leaf][::stride])
+    assert not np.any(np.asarray(samples)[sample_segs.sizes[0]:])
+
+
+@pytest.mark.parametrize("bound", [2**20, 2**31 - 1], ids=["float32", "int32"])
+def test_running_sums_match_numpy_along_the_last_axis(bound):
+  rng = np.random.default_rng(7)
+  for shape in ((1,), (127,), (128,), (129,), (40000,), (3, 2048), (2, 5, 300)):
+    values = rng.integers(0, 33, shape).astype(np.int32)
+    got = jax.jit(lambda v: segmented.running_sums(v, bound))(jnp.asarray(values))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.cumsum(values, axis=-1))
+
+
+def test_running_sums_stay_exact_past_float32s_integers():
+  """Totals past 2^24 are summed in int32: float32 would round them."""
+  values = np.full(70000, 255, np.int32)  # total ~1.8e7 > 2^24
+  got = segmented.running_sums(jnp.asarray(values), int(values.sum()))
+  np.testing.assert_array_equal(np.asarray(got), np.cumsum(values))
+
+
 def test_radix_select_is_exact_on_ties_extremes_and_short_leaves():
   # Every digit's histogram must carry the rank into the next: ties across a
   # digit boundary, subnormals (exponent 0), infinities (exponent 255),
