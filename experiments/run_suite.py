@@ -80,11 +80,11 @@ def full_steps() -> list[tuple[str, list[str]]]:
       "--seeds", str(seed), "--out-dir", f"runs/accuracy_120ep_seed{seed}",
       "--runs-dir", "runs/accuracy_120ep"]) for seed in range(4)]
   # Full CIFAR-10, ResNet-20, the paper's density: one run per step, so each lands on its own.
-  # First the five methods on two seeds; then a third seed, the head sent whole, 0.01, and
-  # the owners' exchange against the all-gather's DLGS (seed 0).
+  # First the five methods on two seeds; then a third seed, the head sent whole (both
+  # densities), 0.01, and the owners' exchange against the all-gather's DLGS (seed 0).
   full_runs = ([(m, 0.1, s) for s in (0, 1) for m in ("dense", "dlgs-paper", "dlgs", "topk", "lags")]
                + [(m, 0.1, 2) for m in ("dense", "dlgs-paper", "dlgs")]
-               + [("dlgs-paper-head", 0.1, s) for s in (0, 1)]
+               + [("dlgs-paper-head", d, s) for d in (0.1, 0.01) for s in (0, 1)]
                + [(m, 0.01, s) for s in (0, 1) for m in ("dlgs-paper", "dlgs", "topk")]
                + [("dlgs-owners", 0.1, 0)]
                + [("dlgs-message", d, s) for d in (0.01, 0.1) for s in (0, 1)])
