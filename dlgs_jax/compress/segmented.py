@@ -247,11 +247,12 @@ def _digits(bits: int) -> list[int]:
 def running_sums(values: jax.Array, bound: int) -> jax.Array:
   """Inclusive running sums of non-negative int32 `values` along their last axis, exact.
 
-  Blocks of `_SCAN_BLOCK` values are summed by a product with a triangular
-  matrix of ones, and the blocks' totals carried by the same running sum one
-  level up. Products run in float32 when every partial sum is below 2^24
-  (``bound``, a static bound on each row's total, says so) and in int32
-  otherwise: exact either way, whatever order the products sum in.
+  While every partial sum stays below 2^24 (``bound``, a static bound on each
+  row's total, says so), blocks of `_SCAN_BLOCK` values are summed in float32
+  by a product with a triangular matrix of ones, and the blocks' totals
+  carried by the same running sum one level up: exact whatever order the
+  products sum in. Past that bound float32 would round, and XLA's own int32
+  running sum is taken.
 
   Args:
     values: int32 [..., n], >= 0.
@@ -260,8 +261,9 @@ def running_sums(values: jax.Array, bound: int) -> jax.Array:
   Returns:
     int32, shaped as `values`.
   """
-  dtype = jnp.float32 if bound < _FLOAT_EXACT else jnp.int32
-  return _block_sums(values.astype(dtype)).astype(jnp.int32)
+  if bound >= _FLOAT_EXACT:
+    return jnp.cumsum(values, axis=-1, dtype=jnp.int32)
+  return _block_sums(values.astype(jnp.float32)).astype(jnp.int32)
 
 
 def _block_sums(values: jax.Array) -> jax.Array:
@@ -269,9 +271,8 @@ def _block_sums(values: jax.Array) -> jax.Array:
   width = min(n, _SCAN_BLOCK)
   padded = jnp.pad(values, [(0, 0)] * len(rows) + [(0, -n % width)])
   blocks = padded.reshape(*rows, -1, width)
-  # HIGHEST: no float32 product may round its inputs (a GPU's TF32 would).
-  within = jnp.dot(blocks, _triangle(width).astype(values.dtype),
-                   precision=lax.Precision.HIGHEST, preferred_element_type=values.dtype)
+  # HIGHEST: no product may round its inputs (a GPU's TF32 would).
+  within = jnp.dot(blocks, _triangle(width), precision=lax.Precision.HIGHEST)
   if within.shape[-2] > 1:
     totals = within[..., -1]
     within = within + (_block_sums(totals) - totals)[..., None]
