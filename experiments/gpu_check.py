@@ -36,6 +36,9 @@ What it measures, per model (VGG16 and ResNet-50 leaf shapes) and density:
   residual read, the message and the residual written) over the bandwidth a
   large device-to-device copy reaches, so each update is also given as a
   multiple of what memory allows.
+* **Exactness first**: whether the selection's running sums, float32 products
+  with a triangle of ones, come out exact on this device (a dot that rounded
+  its inputs, as TF32 does, would compact the wrong values).
 
 Work runs in order of importance (floors and forward+backward, then density
 0.01 with one group, then the default grouping, then 0.1) and stops starting
@@ -56,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dlgs_jax
+from dlgs_jax.compress import segmented
 from dlgs_jax.profiling.periods import (checked_updates, compiled_update, schedule_period,
                                         step_gradients)
 from dlgs_jax.profiling.records import machine, write_json
@@ -163,6 +167,22 @@ def copy_bandwidth(values: int, rounds: int) -> float:
   return 2 * 4 * values / median_seconds(lambda: copy(x), rounds)
 
 
+def exact_on_device(values: int) -> bool:
+  """Whether the selection's running sums (float32 products) are exact on this device.
+
+  They rely on float32 products that round nothing (no TF32); a device whose
+  dot rounded would compact the wrong values, so the check runs before any timing.
+  """
+  rng = np.random.default_rng(0)
+  words = rng.integers(0, 33, values).astype(np.int32)  # popcounts of a buffer's words
+  # A radix select's histograms, of counts TF32 would round (12 significant bits).
+  bins = rng.integers(0, 1 << 12, (40, 2048)).astype(np.int32)
+  # Both totals stay below 2^24: the float32 products are what is checked.
+  return all(np.array_equal(np.asarray(jax.jit(lambda v, b=bound: segmented.running_sums(
+      v, b))(jnp.asarray(x))), np.cumsum(x, axis=-1))
+             for x, bound in ((words, 32 * values), (bins, (1 << 12) * 2048)))
+
+
 def floor_bytes(params: int) -> int:
   """Bytes the floor pass moves: g and e read, the message and the new e written (float32)."""
   return 4 * 4 * params
@@ -254,6 +274,9 @@ def run_check(args) -> dict:
             "machine": machine(), "models": {}, "rows": [], "whole_step": [], "skipped": []}
   result["machine"]["copy_bytes_per_s"] = copy_bandwidth(
       1 << (22 if args.small else 28), args.rounds)
+  result["machine"]["exact_running_sums"] = exact_on_device(1 << (16 if args.small else 18))
+  print(f"running sums exact on {jax.default_backend()}: "
+        f"{result['machine']['exact_running_sums']}", flush=True)
   periods = {}
   for name in args.models:
     params = models.param_shapes(name)

@@ -271,8 +271,8 @@ def _block_sums(values: jax.Array) -> jax.Array:
   width = min(n, _SCAN_BLOCK)
   padded = jnp.pad(values, [(0, 0)] * len(rows) + [(0, -n % width)])
   blocks = padded.reshape(*rows, -1, width)
-  # HIGHEST: no product may round its inputs (a GPU's TF32 would).
-  within = jnp.dot(blocks, _triangle(width), precision=lax.Precision.HIGHEST)
+  # float32 inputs and sums: no product may round its inputs (a GPU's TF32 would).
+  within = jnp.dot(blocks, _triangle(width), precision=lax.DotAlgorithmPreset.F32_F32_F32)
   if within.shape[-2] > 1:
     totals = within[..., -1]
     within = within + (_block_sums(totals) - totals)[..., None]

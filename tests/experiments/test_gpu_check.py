@@ -63,6 +63,7 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   for r in rows.values():  # the update against what memory allows
     assert r["bandwidth_floor_ms"] > 0 and r["over_bandwidth_floor"] > 0
   assert result["machine"]["copy_bytes_per_s"] > 0
+  assert result["machine"]["exact_running_sums"] is True
   # The whole step: forward, backward and update in one program, against dense's.
   steps = {r["method"]: r for r in result["whole_step"]}
   assert list(steps) == ["dense", "topk", "dlgs-paper", "dlgs", "dlgs-message"]
