@@ -404,6 +404,12 @@ def _split(buffer: jax.Array, lengths: Sequence[int]) -> list[jax.Array]:
   return jnp.split(buffer, bounds) if len(lengths) > 1 else [buffer]
 
 
+def _strided(flat: jax.Array, segs: Segments, leaf: int, stride: int) -> jax.Array:
+  """Every stride-th value of one leaf of the buffer, from its first (no padding)."""
+  start = segs.offsets[leaf]
+  return lax.slice(flat, (start,), (start + segs.sizes[leaf],), (stride,))
+
+
 def leaf_samples(flat: jax.Array, segs: Segments, leaves: Sequence[int],
                  strides: Sequence[int]) -> tuple[jax.Array, Segments]:
   """Every stride-th value of some leaves, laid out as a buffer of their own.
@@ -424,8 +430,7 @@ def leaf_samples(flat: jax.Array, segs: Segments, leaves: Sequence[int],
   counts = [-(-segs.sizes[i] // stride) for i, stride in zip(leaves, strides)]
   sample_segs = Segments(tuple(counts))
   if len(leaves) == 1:  # a strided slice, which fuses into what reads it
-    start = segs.offsets[leaves[0]]
-    taken = lax.slice(flat, (start,), (start + segs.sizes[leaves[0]],), (strides[0],))
+    taken = _strided(flat, segs, leaves[0], strides[0])
     return jnp.pad(taken, (0, sample_segs.length - counts[0])), sample_segs
   starts = np.asarray([segs.offsets[i] for i in leaves], np.int64)
   first_word = sample_segs.word_ends - np.asarray(sample_segs.words)
@@ -458,9 +463,7 @@ def count_at(flat: jax.Array, segs: Segments, thresholds: jax.Array, strides: Se
   """
   if len(leaves) == 1 and segs.sizes[leaves[0]] < _FLOAT_EXACT:
     # One leaf: a strided slice compared and summed in one pass, no packing.
-    start = segs.offsets[leaves[0]]
-    magnitude = jnp.abs(lax.slice(flat, (start,), (start + segs.sizes[leaves[0]],),
-                                  (strides[0],)))[:, None]
+    magnitude = jnp.abs(_strided(flat, segs, leaves[0], strides[0]))[:, None]
     passing = (magnitude >= thresholds[0][None, :]) & (magnitude > 0)
     counts = jnp.sum(passing, axis=0, dtype=jnp.float32).astype(jnp.int32)[None]
     return counts * _int32(strides)[:, None]
