@@ -174,7 +174,7 @@ def read_run(workdir: Path, model: str, density, fast_size: int = 1):
     method = json.loads((workdir / "config.json").read_text())["method"]
     # A message budget selects each message as one: no leaf is exact on every step.
     few_exact = (method.get("refresh_below") is not None and method.get("candidates", 1) > 1
-                 and method.get("budget", "layer") == "layer")
+                 and method.get("budget", "layer") == "layer")  # no key: a run before budgets
     summary["threshold_stats"] = threshold_stats(
         steps, model, density, fast_size, one_group=summary.get("plan_groups") == 1,
         few_exact=few_exact)

@@ -34,7 +34,11 @@ LINKS = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s"}
 # The cluster rows, in the order the README reads them (link first, then model).
 CLUSTER_ROWS = [(model, link) for link in ("100mbit", "1gbit")
                 for model in ("resnet50", "vgg16", "resnet20")]
-SPARSE = (("dlgs", "DLGS default"), ("dlgs-paper", "DLGS, paper's rule"), ("topk", "Top-k"),
+# Results written while DLGS's default was a threshold per layer (the adapted rule) call
+# that "dlgs"; the tables name it `dlgs-layer`, its name since the default became one
+# threshold per message (`dlgs-message`). Rows of the per-layer rule read "dlgs" from
+# those files and "dlgs-layer" from newer ones (`_per_layer`).
+SPARSE = (("dlgs", "DLGS per layer"), ("dlgs-paper", "DLGS, paper's rule"), ("topk", "Top-k"),
           ("lags", "LAGS"), ("gtopk", "gTop-k"))
 
 
@@ -139,8 +143,8 @@ def _number(x: float) -> str:
 
 def cluster_report() -> str:
   """The report's cluster table: speedups with their range and rounds, and DLGS's own columns."""
-  lines = ["| model | link | dense step | `dlgs` (default) | `dlgs-paper` | Top-k | LAGS | gTop-k "
-           "| `dlgs` exact | `dlgs` − `dlgs-paper` |", "|---" * 10 + "|"]
+  lines = ["| model | link | dense step | `dlgs-layer` | `dlgs-paper` | Top-k | LAGS | gTop-k "
+           "| `dlgs-layer` exact | `dlgs-layer` − `dlgs-paper` |", "|---" * 10 + "|"]
   for link in ("1gbit", "100mbit"):
     for model in ("vgg16", "resnet20", "resnet50"):
       main, _ = cluster_runs(model, link)
@@ -162,7 +166,7 @@ def cluster_report() -> str:
   return "\n".join(lines)
 
 
-MESSAGE_METHODS = (("topk", "Top-k"), ("dlgs", "`dlgs`"), ("dlgs-message", "`dlgs-message`"),
+MESSAGE_METHODS = (("topk", "Top-k"), ("dlgs", "`dlgs-layer`"), ("dlgs-message", "`dlgs-message`"),
                    ("dlgs-paper", "`dlgs-paper`"), ("dlgs-paper-message", "`dlgs-paper-message`"))
 
 
@@ -190,12 +194,12 @@ def update_kernels() -> str:
   """Kernels a compiled update launches / its conditionals, over dense's, and compile seconds."""
   run = _load(RESULTS / "update_programs" / "cpu.json")
   columns = [("topk", "Top-k"), ("lags", "LAGS"),
-             ("dlgs paper, one group", "paper's rule, one group"),
-             ("dlgs default, one group", "default, one group"),
-             ("dlgs paper, buckets", "paper's, buckets"),
-             ("dlgs default, buckets", "default, buckets"),
-             ("dlgs paper, buckets, message budget", "paper's, buckets, per message"),
-             ("dlgs default, buckets, message budget", "default, buckets, per message")]
+             ("dlgs, one group", "`dlgs`, one group"), ("dlgs, buckets", "`dlgs`, buckets"),
+             ("dlgs-paper, one group", "`dlgs-paper`, one group"),
+             ("dlgs-paper, buckets", "`dlgs-paper`, buckets"),
+             ("dlgs-layer, one group", "`dlgs-layer`, one group"),
+             ("dlgs-layer, buckets", "`dlgs-layer`, buckets"),
+             ("dlgs-paper-message, buckets", "`dlgs-paper-message`, buckets")]
   lines = ["| model (dense) | " + " | ".join(name for _, name in columns) + " |",
            "|---" * (1 + len(columns)) + "|"]
   for model in dict.fromkeys(row["model"] for row in run["rows"]):
@@ -352,32 +356,36 @@ def owners_accuracy() -> str:
   full = {(r["method"], r["density"], r["seed"]): r for r in _load(
       RESULTS / "accuracy_full" / "table" / "results.json")["results"]}
   for (method, density, seed), run in sorted(full.items()):
-    if method != "dlgs-owners" or ("dlgs", density, seed) not in full:
+    if method != "dlgs-owners" or ("dlgs-layer", density, seed) not in full:
       continue
-    other = full[("dlgs", density, seed)]
+    other = full[("dlgs-layer", density, seed)]
     summary, twin = run["summary"], other["summary"]
     gap = 100 * (summary["final_test_accuracy"] - twin["final_test_accuracy"])
     codes = [tuple(r.get("code") or ()) for r in (other, run)]
     # A gap between runs of different code mixes the method with the code's changes.
     code = "" if codes[0] == codes[1] else (
-        f"; dlgs trained at {_code_label(codes[0])}, dlgs-owners at {_code_label(codes[1])}")
+        f"; dlgs-layer trained at {_code_label(codes[0])}, dlgs-owners at "
+        f"{_code_label(codes[1])}")
     lines.append(f"| full CIFAR-10, ResNet-20, {density:g}, seed {seed}: dlgs-owners against "
-                 f"dlgs ({100 * twin['final_test_accuracy']:.2f}%, paired gap "
+                 f"dlgs-layer ({100 * twin['final_test_accuracy']:.2f}%, paired gap "
                  f"{gap:+.2f} points{code}) | {100 * summary['final_test_accuracy']:.2f}% | "
-                 f"{summary['bytes_sent_per_step'] / 1e3:.0f} kB (dlgs "
+                 f"{summary['bytes_sent_per_step'] / 1e3:.0f} kB (dlgs-layer "
                  f"{twin['bytes_sent_per_step'] / 1e3:.0f} kB) |".replace("+-", "-"))
   return "\n".join(lines)
 
 
 # The full-CIFAR table's rows: (label, method or variant, density).
 FULL_CIFAR_ROWS = (
-    ("dense", "dense", None), ("DLGS, paper's rule", "dlgs-paper", 0.1),
-    ("DLGS, default", "dlgs", 0.1), ("DLGS, paper's rule, head whole", "dlgs-paper-head", 0.1),
-    ("DLGS, paper's rule, density 0.01", "dlgs-paper", 0.01),
-    ("DLGS, default, density 0.01", "dlgs", 0.01), ("Top-k", "topk", 0.1), ("LAGS", "lags", 0.1),
-    ("DLGS, the owners' exchange", "dlgs-owners", 0.1), ("Top-k, density 0.01", "topk", 0.01),
-    ("DLGS, a budget per message", "dlgs-message", 0.1),
-    ("DLGS, a budget per message, density 0.01", "dlgs-message", 0.01))
+    ("dense", "dense", None),
+    ("DLGS, default: a threshold per message", "dlgs-message", 0.1),
+    ("DLGS, default, density 0.01", "dlgs-message", 0.01),
+    ("Top-k", "topk", 0.1), ("Top-k, density 0.01", "topk", 0.01), ("LAGS", "lags", 0.1),
+    ("DLGS, a threshold per layer (`dlgs-layer`)", "dlgs-layer", 0.1),
+    ("DLGS, a threshold per layer, density 0.01", "dlgs-layer", 0.01),
+    ("DLGS, paper's rule", "dlgs-paper", 0.1), ("DLGS, paper's rule, density 0.01", "dlgs-paper", 0.01),
+    ("DLGS, paper's rule, head whole", "dlgs-paper-head", 0.1),
+    ("DLGS, paper's rule, head whole, density 0.01", "dlgs-paper-head", 0.01),
+    ("DLGS per layer, the owners' exchange", "dlgs-owners", 0.1))
 
 
 def full_cifar() -> str:
@@ -412,23 +420,33 @@ def full_cifar() -> str:
   return "\n".join(lines)
 
 
+def _per_layer(method: str) -> str:
+  """A device check's row name, with the per-layer adapted rule called `dlgs-layer` (`SPARSE`)."""
+  return "dlgs-layer" if method == "dlgs" else method
+
+
 def cpu_floor() -> str:
   """Each update's ms and its median ratio to the memory floor on one CPU core, DLGS over LAGS."""
   rows = _load(RESULTS / "gpu_check" / "cpu_flat.json")["rows"]
-  found = {(r["model"], r["method"], r["grouping"]): r for r in rows}
+  found = {(r["model"], _per_layer(r["method"]), r["grouping"]): r for r in rows}
   cell = lambda r: f"{r['update_ms']:.1f} / {r['over_floor']:.1f}x" if r else ""  # noqa: E731
-  lines = ["| model | grouping | dense | Top-k | LAGS | DLGS, paper's rule | DLGS, default "
-           "| DLGS / LAGS |", "|---|---|---|---|---|---|---|---|"]
+  dlgs = [m for m in ("dlgs-message", "dlgs-paper", "dlgs-layer")
+          if any(method == m for _, method, _ in found)]
+  names = {"dlgs-message": "DLGS, default", "dlgs-paper": "DLGS, paper's rule",
+           "dlgs-layer": "DLGS, per layer"}
+  lines = ["| model | grouping | dense | Top-k | LAGS | " + " | ".join(names[m] for m in dlgs)
+           + " | DLGS / LAGS |", "|---" * (6 + len(dlgs)) + "|"]
   for model in ("vgg16", "resnet50"):
     for grouping, label in (("one group", "one group"), ("default", "buckets")):
       alone = grouping == "one group"
-      lags, paper, adapted = (found.get((model, m, grouping)) for m in ("lags", "dlgs-paper", "dlgs"))
+      lags = found[(model, "lags", grouping)]
+      rows = [found.get((model, m, grouping)) for m in dlgs]
       lines.append(
           f"| {MODELS[model].split(' ')[0]} | {label} | "
           f"{cell(found.get((model, 'dense', '-')) if alone else None)} | "
           f"{cell(found.get((model, 'topk', '-')) if alone else None)} | {cell(lags)} | "
-          f"{cell(paper)} | {cell(adapted)} | {paper['update_ms'] / lags['update_ms']:.2f}, "
-          f"{adapted['update_ms'] / lags['update_ms']:.2f} |")
+          + " | ".join(cell(r) for r in rows) + " | "
+          + ", ".join(f"{r['update_ms'] / lags['update_ms']:.2f}" for r in rows if r) + " |")
   return "\n".join(lines)
 
 
@@ -460,14 +478,15 @@ def h200_update() -> str:
   """One H200, the engine before flat buffers: each update's ms / floor ratio, DLGS's kernels."""
   base = RESULTS / "gpu_check"
   runs = [_load(base / f"{name}.json") for name in ("h200", "h200_resnet50_dlgs", "h200_vgg16_0.1")]
-  found = {(r["model"], r["density"], r["method"]): r for run in runs for r in run["rows"]
-           if r["grouping"] in ("-", "one group")}
+  found = {(r["model"], r["density"], _per_layer(r["method"])): r for run in runs
+           for r in run["rows"] if r["grouping"] in ("-", "one group")}
   models = runs[0]["models"]
   cell = lambda r: f"{r['update_ms']:.2f} / {r['over_floor']:.1f}x"  # noqa: E731
-  lines = ["| model (fwd+bwd), density | Top-k | gTop-k | LAGS | DLGS, paper's rule | DLGS, default "
-           "| DLGS kernels, paper / default |", "|---|---|---|---|---|---|---|"]
+  lines = ["| model (fwd+bwd), density | Top-k | gTop-k | LAGS | DLGS, paper's rule | DLGS, per "
+           "layer | DLGS kernels, paper / per layer |", "|---|---|---|---|---|---|---|"]
   for model, density in (("vgg16", 0.01), ("vgg16", 0.1), ("resnet50", 0.01)):
-    rows = [found[(model, density, m)] for m in ("topk", "gtopk", "lags", "dlgs-paper", "dlgs")]
+    rows = [found[(model, density, m)]
+            for m in ("topk", "gtopk", "lags", "dlgs-paper", "dlgs-layer")]
     name = MODELS[model].split(" ")[0]
     step = models[model]
     label = (f"{name}, b {step['forward_backward_batch']} ({step['forward_backward_ms']:.2f} ms), "
@@ -553,7 +572,7 @@ def threshold_rules() -> str:
            "| exact, values | sent / k |", "|---|---|---|---|---|---|---|---|"]
   for density in (0.1, 0.01):
     refresh = {s: x for (m, d, s), x in runs.items() if m == "dlgs-refresh" and d == density}
-    for method, label, groups in (("dlgs", "default (adapted)", "one"),
+    for method, label, groups in (("dlgs", "adapted, per layer", "one"),
                                   ("dlgs-refresh", "refresh rule", "per leaf"),
                                   ("dlgs-paper", "paper's rule", "per leaf")):
       seeds = {s: x for (m, d, s), x in runs.items() if m == method and d == density}

@@ -3,10 +3,11 @@
 For the leaf shapes of VGG16 (CIFAR) and ResNet-50 at density 0.01, each
 transform's update (one worker, ``axis_name=None``) is lowered and compiled
 here, and its optimized HLO counted (`profiling.programs`): conditionals,
-sorts and top-k calls, loops, and the kernels a step launches. DLGS runs under
-the paper's rule (``FixedReuse(10)``) and the default (``AdaptedReuse``), with
-every leaf in one group and with the default buckets, the latter also with
-the message budget (one threshold per bucket). On this backend the
+sorts and top-k calls, loops, and the kernels a step launches. DLGS runs as the
+paper's (``FixedReuse(10)``, a threshold per layer), as the adapted rule with
+a threshold per layer (``dlgs-layer``) and as the default (the adapted rule,
+one threshold per message: ``dlgs``), with every leaf in one group and with
+the default buckets; the paper's rule also per message. On this backend the
 program is XLA:CPU's, so its counts say how many kernels the passes take, not
 what a GPU's fusion makes of them.
 
@@ -38,14 +39,16 @@ DENSITY = 0.01
 def transforms(params) -> dict:
   """Label -> transform."""
   one = [list(grouping.leaf_paths(params))]
-  paper = dlgs_jax.FixedReuse(10)
+  paper, adapted = dlgs_jax.FixedReuse(10), dlgs_jax.AdaptedReuse()
   rows = {"dense": dlgs_jax.dense(), "topk": dlgs_jax.topk(DENSITY),
           "lags": dlgs_jax.lags(DENSITY)}
-  for rule_name, rule in (("paper", paper), ("default", dlgs_jax.AdaptedReuse())):
-    rows[f"dlgs {rule_name}, one group"] = dlgs_jax.dlgs(DENSITY, thresholds=rule, groups=one)
-    rows[f"dlgs {rule_name}, buckets"] = dlgs_jax.dlgs(DENSITY, thresholds=rule)
-    rows[f"dlgs {rule_name}, buckets, message budget"] = dlgs_jax.dlgs(
-        DENSITY, thresholds=rule, budget="message")
+  for name, rule, budget in (("dlgs-paper", paper, "layer"), ("dlgs-layer", adapted, "layer"),
+                             ("dlgs", adapted, "message")):
+    rows[f"{name}, one group"] = dlgs_jax.dlgs(DENSITY, thresholds=rule, budget=budget,
+                                               groups=one)
+    rows[f"{name}, buckets"] = dlgs_jax.dlgs(DENSITY, thresholds=rule, budget=budget)
+  rows["dlgs-paper-message, buckets"] = dlgs_jax.dlgs(DENSITY, thresholds=paper,
+                                                      budget="message")
   return rows
 
 

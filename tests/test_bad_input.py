@@ -107,7 +107,7 @@ API_CASES = [
     ("rule-candidates", lambda: dlgs_jax.AdaptedReuse(candidates=1),
      ["candidates=1", "[2, 16]", "RefreshReuse"]),
     ("axis-name-number", lambda: dlgs_jax.dlgs(0.1, axis_name=3), ["axis_name", "3"]),
-    ("send-whole-string", lambda: dlgs_jax.dlgs(0.1, send_whole="head"),
+    ("send-whole-string", lambda: dlgs_jax.dlgs(0.1, send_whole="head", budget="layer"),
      ["send_whole='head'", "['head']"]),
     ("groups-string", lambda: dlgs_jax.lags(0.1, groups="w"), ["groups", "list of lists"]),
     ("two-level-transform", lambda: dlgs_jax.two_level(
@@ -277,7 +277,7 @@ def test_config_files_refused_in_one_line(content, words, tmp_path):
 
 def test_config_file_of_the_right_types_is_read(tmp_path):
   path = _config_file(tmp_path, json.dumps({
-      "method": {"name": "dlgs", "send_whole": ["head"], "refresh_below": None},
+      "method": {"name": "dlgs", "send_whole": ["head"], "refresh_below": None, "budget": "layer"},
       "schedule": {"lr_decay_epochs": [1, 2.5]}}))
   config = train_cli.config_from_args(["--config", path])
   assert config.method.send_whole == ("head",) and config.method.refresh_below is None

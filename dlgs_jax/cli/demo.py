@@ -3,7 +3,7 @@
 A preset `RunConfig` for ``dlgs-train``: SmallCNN on the real CIFAR-10 images
 shipped in the package, 4 simulated workers on CPU devices of one process, DLGS
 at density 0.01 (thresholds reused for 10 steps, one threshold for the model's
-one message: ``--budget message``), SGD with momentum, 10 epochs (290 steps).
+one message, the default budget), SGD with momentum, 10 epochs (290 steps).
 Any ``dlgs-train`` flag given here overrides the preset:
 
     dlgs-demo                       # the preset
@@ -61,14 +61,13 @@ def preset(method: str = "dlgs") -> RunConfig:
   """The demo's run; its workdir is new for each call (``runs/demo-<time>``).
 
   Args:
-    method: the method the run takes (``--method``): DLGS with its message
-      budget, another method with its own defaults beside the preset's density.
+    method: the method the run takes (``--method``), with its own defaults
+      beside the preset's density.
   """
-  budget = {"budget": "message"} if method == "dlgs" else {}
   return RunConfig(
       model=ModelConfig("smallcnn"),
       data=DataConfig(batch_size=32),
-      method=MethodConfig(method, density=0.01, reuse_every=10, **budget),
+      method=MethodConfig(method, density=0.01, reuse_every=10),
       optimizer=OptimizerConfig(lr=0.05),
       schedule=ScheduleConfig(epochs=10),
       processes=ProcessConfig(local_devices=4),

@@ -89,8 +89,8 @@ FLAGS = (
     Flag("--candidates", _M, "candidates", "DLGS: thresholds each leaf tries on a reuse step, "
          "multiples 2^(j/8) of its reused one, interpolated between (leaves of k < 16: exact "
          "every step); 1: the reused one only", int),
-    Flag("--budget", _M, "budget", "DLGS: 'layer' (a threshold per leaf, k_l each: the "
-         "paper's) or 'message' (one threshold per message, its leaves' k together)"),
+    Flag("--budget", _M, "budget", "DLGS: 'message' (one threshold per message, its leaves' "
+         "k together: the default) or 'layer' (a threshold per leaf, k_l each: the paper's)"),
     Flag("--min-ndim", _M, "min_ndim", "lags/dlgs: leaves with fewer dimensions are sent whole; "
          "0: every leaf is sparsified (the paper)", int),
     Flag("--send-whole", _M, "send_whole", "lags/dlgs: leaves sent whole, comma-separated leaf "
@@ -264,7 +264,7 @@ def config_flags(config: RunConfig, sections=("method",)) -> list[str]:
 
 def method_flags(name: str) -> list[str]:
   """The ``dlgs-train`` flags that select a method or a variant (``dlgs-paper`` ->
-  ``--method dlgs --refresh-below none``)."""
+  ``--method dlgs --refresh-below none --budget layer``)."""
   from dlgs_jax.compress.methods import method_config
 
   return config_flags(RunConfig(method=method_config(name)))

@@ -49,9 +49,9 @@ class MethodConfig:
     candidates: DLGS with `refresh_below` set: thresholds each leaf tries on a
       reuse step (multiples of its reused one, interpolated between); 1: the
       reused one only.
-    budget: DLGS: ``"layer"`` (a threshold per leaf, k_l each: the paper's)
-      or ``"message"`` (one threshold per message, its leaves' k together;
-      `dlgs_jax.dlgs`).
+    budget: DLGS: ``"message"`` (one threshold per message, its leaves' k
+      together: the default) or ``"layer"`` (a threshold per leaf, k_l each:
+      the paper's); `dlgs_jax.dlgs`.
     min_ndim: LAGS/DLGS: leaves with fewer dimensions are sent whole.
     send_whole: LAGS/DLGS: leaf paths sent whole; ``"head"`` names the output
       layer (found from the backward order).
@@ -71,7 +71,7 @@ class MethodConfig:
   reuse_every: int = 10
   refresh_below: Optional[float] = 0.5
   candidates: int = 7
-  budget: str = "layer"
+  budget: str = "message"
   min_ndim: int = 0
   send_whole: tuple[str, ...] = ()
   collective: str = "allgather"
@@ -105,10 +105,13 @@ class MethodConfig:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
     if self.budget not in engine.BUDGETS:
       raise ConfigError("budget", self.budget, f"choose from {engine.BUDGETS}")
-    if ("budget" in self.spec.options and self.budget == "message"
-        and (self.send_whole or self.min_ndim)):
-      raise ConfigError("budget", self.budget, "sends no leaf whole: drop send_whole and "
-                        "min_ndim, or take budget 'layer'")
+    if "budget" in self.spec.options and self.budget == "message":
+      # The message's one threshold already gives each leaf its share.
+      for option, value in (("send_whole", ",".join(self.send_whole)), ("min_ndim", self.min_ndim)):
+        if value:
+          raise ConfigError(option, value, "sends leaves whole, which needs a threshold per "
+                            "layer: add budget 'layer' (--budget layer); the default budget, "
+                            "one threshold per message, gives each leaf its share")
     if self.collective not in engine.SPARSE_COLLECTIVES + (AUTO,):
       raise ConfigError("collective", self.collective,
                         f"choose {', '.join(engine.SPARSE_COLLECTIVES)} or {AUTO}")
@@ -401,23 +404,33 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
-    Variant("dlgs-paper", "dlgs", {"refresh_below": None}, "the paper's fixed threshold schedule"),
-    Variant("dlgs-refresh", "dlgs", {"candidates": 1},
-            "reused thresholds kept as they are until one leaves the band (the refresh rule)"),
-    Variant("dlgs-adapt", "dlgs", {"candidates": 7},
-            "reused thresholds adapted from 7 candidates per step"),
-    Variant("dlgs-whole1d", "dlgs", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
-    Variant("lags-whole1d", "lags", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
-    Variant("dlgs-head", "dlgs", {"send_whole": ("head",)}, "the classifier head sent whole"),
-    Variant("dlgs-paper-head", "dlgs", {"refresh_below": None, "send_whole": ("head",)},
-            "the paper's fixed threshold schedule, the classifier head sent whole"),
-    Variant("lags-head", "lags", {"send_whole": ("head",)}, "the classifier head sent whole"),
+    # The paper's DLGS: a threshold per layer on a fixed schedule. Variants that
+    # send leaves whole name the layer budget, since a message's one threshold
+    # sends no leaf whole.
+    Variant("dlgs-paper", "dlgs", {"refresh_below": None, "budget": "layer"},
+            "the paper's DLGS: a threshold per layer, on a fixed schedule"),
+    Variant("dlgs-layer", "dlgs", {"budget": "layer"},
+            "a threshold per layer (k_l each, the paper's budget), adapted every step"),
     Variant("dlgs-message", "dlgs", {"budget": "message"},
-            "one threshold per message: its leaves share its k as a global top-k would"),
+            "one threshold per message (the default, named)"),
     Variant("dlgs-paper-message", "dlgs", {"refresh_below": None, "budget": "message"},
             "the paper's fixed schedule, one threshold per message"),
-    Variant("dlgs-owners", "dlgs", {"collective": "owners"},
-            "summed at the owners of hashed regions: bytes flat in the workers"),
+    Variant("dlgs-refresh", "dlgs", {"candidates": 1, "budget": "layer"},
+            "a threshold per layer kept as it is until one leaves the band (the refresh rule)"),
+    Variant("dlgs-adapt", "dlgs", {"candidates": 7, "budget": "layer"},
+            "a threshold per layer adapted from 7 candidates per step"),
+    Variant("dlgs-whole1d", "dlgs", {"min_ndim": 2, "budget": "layer"},
+            "a threshold per layer, biases and BatchNorm sent whole"),
+    Variant("lags-whole1d", "lags", {"min_ndim": 2}, "biases and BatchNorm sent whole"),
+    Variant("dlgs-head", "dlgs", {"send_whole": ("head",), "budget": "layer"},
+            "a threshold per layer, the classifier head sent whole"),
+    Variant("dlgs-paper-head", "dlgs", {"refresh_below": None, "send_whole": ("head",),
+                                        "budget": "layer"},
+            "the paper's DLGS, the classifier head sent whole"),
+    Variant("lags-head", "lags", {"send_whole": ("head",)}, "the classifier head sent whole"),
+    Variant("dlgs-owners", "dlgs", {"collective": "owners", "budget": "layer"},
+            "a threshold per layer, summed at the owners of hashed regions: bytes flat in the "
+            "workers"),
     Variant("topk-owners", "topk", {"collective": "owners"},
             "summed at the owners of hashed regions: bytes flat in the workers"),
 )}

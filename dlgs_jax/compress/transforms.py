@@ -149,7 +149,7 @@ def dlgs(
     *,
     axis_name=None,
     thresholds: rules.ThresholdRule = rules.AdaptedReuse(),
-    budget: str = "layer",
+    budget: str = "message",
     groups=None,
     order: Optional[Sequence[str]] = None,
     send_whole=None,
@@ -162,8 +162,11 @@ def dlgs(
   """Dynamic layer-wise gradient sparsification (Ju et al. 2024, Algorithm 1).
 
   Per leaf l: ``g = e + grad``; values with ``|g| >= H_l`` (and ``g != 0``) are
-  sent and the rest stays in the residual e. H_l is computed exactly, the k_l-th
-  largest ``|g|`` (``k_l = max(1, ceil(density * size_l))``), on step 0 and
+  sent and the rest stays in the residual e. With ``budget="layer"`` (the
+  paper's) H_l is the k_l-th largest ``|g|`` of leaf l (``k_l = max(1,
+  ceil(density * size_l))``); with ``budget="message"`` (the default) the
+  leaves of a message share one threshold, the (sum_l k_l)-th largest of the
+  message. Thresholds are computed exactly on step 0 and
   every ``thresholds.every`` steps, and reused until the next exact one: the
   exact top-k that LAGS pays every step is paid once a period. A step selects
   with the thresholds it starts from, and the exact ones of its values serve
@@ -175,9 +178,10 @@ def dlgs(
   together, in a fixed number of passes however many leaves it holds, and the
   exact selects of every group run in the update's one conditional.
 
-  Static shapes need a fixed buffer: leaf l sends at most
-  ``min(size_l, ceil(capacity_factor * k_l))`` values, the first ones in flat
-  index order when more pass a reused threshold. What does not fit stays in
+  Static shapes need a fixed buffer: a message sends at most
+  ``ceil(capacity_factor * sum_l k_l)`` values (``"layer"``: leaf l at most
+  ``min(size_l, ceil(capacity_factor * k_l))``), the first ones in flat index
+  order when more pass a reused threshold. What does not fit stays in
   the residual (nothing is lost; ``stats.passed`` exceeds ``stats.selected``).
   Buffers travel whole, so the bytes on the wire are those of the capacity.
 
@@ -187,15 +191,15 @@ def dlgs(
       (see the module docstring for a plain `jax.jit`).
     thresholds: the threshold rule, `rules.AdaptedReuse()` by default;
       ``FixedReuse(every=10)`` is the paper's.
-    budget: whose k a threshold answers for. ``"layer"`` (the paper): one
-      threshold per leaf, the k_l-th largest of that leaf, so every leaf
-      sends its density's share. ``"message"``: one threshold per group (a
-      message), the (sum_l k_l)-th largest of the whole group, computed and
-      reused on the same schedule; each leaf then sends the share of the
-      message's k that a global top-k gave it on the last exact step, as
-      global Top-k would within the message, while the message is still sent
-      as soon as its own gradients are ready. Leaves are not sent whole
-      under it (`send_whole` must be None).
+    budget: whose k a threshold answers for. ``"message"`` (the default):
+      one threshold per group (a message), the (sum_l k_l)-th largest of the
+      whole group, computed and reused on the same schedule; each leaf then
+      sends the share of the message's k that a global top-k gave it on the
+      last exact step, as global Top-k would within the message, while the
+      message is still sent as soon as its own gradients are ready. Leaves
+      are not sent whole under it (`send_whole` must be None). ``"layer"``
+      (the paper's): one threshold per leaf, the k_l-th largest of that
+      leaf, so every leaf sends its density's share.
     groups: leaf-path groups (contiguous runs in backward order, listed in
       backward order), each packed into one buffer and sent in one collective;
       or a plan with ``.groups`` and ``.order``. ``None``: buckets of

@@ -33,9 +33,11 @@ from dlgs_jax.planning.timeline import METHODS, LinearCost, MethodCosts, Profile
 
 # How each method groups its layers when it runs (the registry's `grouping`).
 METHOD_PLANNERS = {name: methods.METHODS[name].grouping for name in METHODS}
-# Variants predicted besides the methods: those that only change the collective.
+# Variants predicted besides the methods: those that only change the collective
+# (and DLGS's budget, which sends the same bytes).
 COLLECTIVE_VARIANTS = tuple(name for name, v in methods.VARIANTS.items()
-                            if set(v.options) == {"collective"} and v.base in METHOD_PLANNERS)
+                            if set(v.options) - {"budget"} == {"collective"}
+                            and v.base in METHOD_PLANNERS)
 PREDICTABLE = tuple(METHOD_PLANNERS) + COLLECTIVE_VARIANTS
 
 

@@ -103,9 +103,11 @@ def compiled_update(tx, grads) -> tuple[Callable, dict[str, int], str]:
 def checked_updates(density: float, reuse_every: int, params) -> list[tuple[str, str, Any]]:
   """(method, grouping, transform) of every update the device check times, most important first.
 
-  Dense, Top-k, gTop-k, then LAGS and DLGS under the paper's fixed reuse and the
-  default adapted rule (the latter also with the message budget), first with
-  every leaf in one group, then grouped by default.
+  Dense, Top-k, gTop-k, then LAGS and DLGS: the paper's (fixed reuse, a
+  threshold per layer), the adapted rule with a threshold per layer
+  (``dlgs-layer``) and the default (the adapted rule, one threshold per
+  message: ``dlgs-message``), first with every leaf in one group, then
+  grouped by default. DLGS's rows name the budget, never the bare default.
 
   Args:
     density: the sparse methods' density.
@@ -113,19 +115,19 @@ def checked_updates(density: float, reuse_every: int, params) -> list[tuple[str,
     params: the parameter tree (its leaf paths form the one group).
   """
   one = [grouping.leaf_paths(params)]
-  paper = dict(thresholds=rules.FixedReuse(reuse_every))
-  adapted = dict(thresholds=rules.AdaptedReuse(reuse_every))
+  paper = dict(thresholds=rules.FixedReuse(reuse_every), budget="layer")
+  layer = dict(thresholds=rules.AdaptedReuse(reuse_every), budget="layer")
+  message = dict(thresholds=rules.AdaptedReuse(reuse_every), budget="message")
   return [
       ("dense", "-", transforms.dense()),
       ("topk", "-", transforms.topk(density)),
       ("gtopk", "-", transforms.gtopk(density)),
       ("lags", "one group", transforms.lags(density, groups=one)),
       ("dlgs-paper", "one group", transforms.dlgs(density, groups=one, **paper)),
-      ("dlgs", "one group", transforms.dlgs(density, groups=one, **adapted)),
-      ("dlgs-message", "one group",
-       transforms.dlgs(density, groups=one, budget="message", **adapted)),
+      ("dlgs-layer", "one group", transforms.dlgs(density, groups=one, **layer)),
+      ("dlgs-message", "one group", transforms.dlgs(density, groups=one, **message)),
       ("lags", "default", transforms.lags(density)),
       ("dlgs-paper", "default", transforms.dlgs(density, **paper)),
-      ("dlgs", "default", transforms.dlgs(density, **adapted)),
-      ("dlgs-message", "default", transforms.dlgs(density, budget="message", **adapted)),
+      ("dlgs-layer", "default", transforms.dlgs(density, **layer)),
+      ("dlgs-message", "default", transforms.dlgs(density, **message)),
   ]

@@ -108,7 +108,8 @@ class PlanConfig:
 
   Attributes:
     planner: none, wfbp, single, greedy or optimal; none: dense fuses
-      everything into one message, LAGS/DLGS send each leaf alone.
+      everything into one message, LAGS and DLGS's layer budget send each
+      leaf alone, DLGS's message budget the transform's buckets.
     plan: a plan JSON (from ``dlgs-plan``) instead of planning.
     profile: plan from this profile JSON instead of measuring one.
     bandwidth: plan for a modelled network of this link bandwidth (e.g. 1gbit).
@@ -201,6 +202,11 @@ FREE_OPTIONS = frozenset({
     "data.eval_batch_size",
     "data.data_dir", "plan.planner", "plan.plan", "plan.profile", "plan.bandwidth",
     "plan.latency"})
+
+# Options a checkpoint written before they existed does not name, and the value
+# that checkpoint ran with: DLGS selected a threshold per layer before its
+# budget was an option.
+ADDED_OPTIONS = {"method.budget": "layer"}
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig,
             "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "plan": PlanConfig,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from dlgs_jax.compress.methods import ConfigError
-from dlgs_jax.training.config import RunConfig
+from dlgs_jax.training.config import ADDED_OPTIONS, RunConfig
 from dlgs_jax.training.outputs import MetricsLog, tree_sha256
 from dlgs_jax.training.persistence.preemption import PreemptionWatch
 from dlgs_jax.training.persistence.resume import restore_or_start
@@ -93,7 +93,8 @@ def _train_locked(config: RunConfig, workdir: Path) -> dict:
     raise RunError(str(e)) from None
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", run_identity(run),
                                  max_to_keep=config.checkpoint.keep,
-                                 warn=lambda m: run.log(f"warning: {m}"))
+                                 warn=lambda m: run.log(f"warning: {m}"),
+                                 added=ADDED_OPTIONS)
   try:
     start = restore_or_start(run, ckpt)
   except RunError:
@@ -160,8 +161,8 @@ def _log_start(run: Run) -> None:
           f"{config.data.batch_size}; {config.method.name}"
           + (f" density {density:g}" if density is not None else "")
           + (f" (warm-up {run.warmup} steps)" if run.warmup else "")
-          + (", a budget per message" if "budget" in config.method.spec.options
-             and config.method.budget == "message" else "")
+          + (", a threshold per layer" if "budget" in config.method.spec.options
+             and config.method.budget == "layer" else "")
           + (f", {len(run.plan.groups)} planned groups ({run.plan.planner})" if run.plan else "")
           + f"; {run.epochs} epochs x {run.steps_per_epoch} steps = {run.total_steps} steps")
 

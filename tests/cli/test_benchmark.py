@@ -159,11 +159,11 @@ def test_compare_applies_the_shared_settings_and_lets_a_variant_override_them():
   from dlgs_jax.cli import benchmark
 
   config = benchmark.benchmark_config(benchmark.parse_args([
-      "--compare", "dlgs,dlgs-paper,topk", "--refresh-below", "0.25", "--min-ndim", "2",
+      "--compare", "dlgs-layer,dlgs-paper,topk", "--refresh-below", "0.25", "--min-ndim", "2",
       "--reuse-every", "5", "--density", "0.05"]))
-  dlgs = config.compared_method("dlgs")
-  assert (dlgs.name, dlgs.refresh_below, dlgs.min_ndim, dlgs.reuse_every, dlgs.density) == (
-      "dlgs", 0.25, 2, 5, 0.05)
+  dlgs = config.compared_method("dlgs-layer")
+  assert (dlgs.name, dlgs.refresh_below, dlgs.min_ndim, dlgs.reuse_every, dlgs.density,
+          dlgs.budget) == ("dlgs", 0.25, 2, 5, 0.05, "layer")
   paper = config.compared_method("dlgs-paper")
   assert (paper.name, paper.refresh_below, paper.min_ndim) == ("dlgs", None, 2)
   topk = config.compared_method("topk")

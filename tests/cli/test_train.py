@@ -162,8 +162,10 @@ def test_killed_or_stopped_runs_resume_bit_identical_to_an_uninterrupted_one(tmp
   for run_args, extra, messages in (
       (lags_args, ["--method", "lags"], ["method.name: checkpoint 'dlgs', this run 'lags'"]),
       (args, ["--batch-size", "16", "--min-ndim", "2", "--refresh-below", "none",
-              "--send-whole", "head", "--sync-bn", "--nesterov", "--momentum", "0"],
+              "--send-whole", "head", "--budget", "layer", "--sync-bn", "--nesterov",
+              "--momentum", "0"],
        ["data.batch_size: checkpoint 8, this run 16",
+        "method.budget: checkpoint 'message', this run 'layer'",
         "method.min_ndim: checkpoint 0, this run 2",
         "method.refresh_below: checkpoint 0.5, this run None",
         "method.send_whole: checkpoint [], this run ['head']",
@@ -341,7 +343,10 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
      "--collective 'auto' is invalid: applies to topk, lags, dlgs, not dense"),
     (["--budget", "global"], "--budget 'global' is invalid: choose from ('layer', 'message')"),
     (["--budget", "message", "--send-whole", "head", "--planner", "single"],
-     "--budget 'message' is invalid: sends no leaf whole"),
+     "--send-whole 'head' is invalid: sends leaves whole, which needs a threshold per layer: "
+     "add budget 'layer' (--budget layer)"),
+    (["--min-ndim", "2"], "--min-ndim 2 is invalid: sends leaves whole, which needs a threshold "
+     "per layer: add budget 'layer' (--budget layer)"),
     (["--method", "lags", "--budget", "message"], "--budget 'message' is invalid: applies to "
      "dlgs, not lags"),
 ])
@@ -363,8 +368,8 @@ def test_bfloat16_on_the_wire_cuts_the_bytes_it_says(tmp_path):
   pairs = sum(n if p in head else max(1, int(np.ceil(density * n))) for p, n in sizes.items())
   assert train.config_from_args(["--method", "dense", "--wire-dtype", "bfloat16"]
                                 ).method.wire_dtype == "bfloat16"
-  for method, extra, scale in (("dlgs", ["--send-whole", "head", "--density", str(density)],
-                                0.75),):
+  for method, extra, scale in (("dlgs", ["--send-whole", "head", "--budget", "layer",
+                                         "--density", str(density)], 0.75),):
     sent = {}
     for dtype in ("float32", "bfloat16"):
       workdir = tmp_path / method / dtype
@@ -382,14 +387,15 @@ def test_bfloat16_on_the_wire_cuts_the_bytes_it_says(tmp_path):
 
 def test_flags_become_the_config_and_name_a_variant():
   config = train.config_from_args(["--method", "dlgs", "--density", "0.05", "--send-whole",
-                                   "head", "--refresh-below", "none", "--no-augment",
-                                   "--lr-decay-epochs", "1,2.5", "--seed", "3"])
+                                   "head", "--budget", "layer", "--refresh-below", "none",
+                                   "--no-augment", "--lr-decay-epochs", "1,2.5", "--seed", "3"])
   assert config.method == MethodConfig("dlgs", density=0.05, send_whole=("head",),
-                                       refresh_below=None)
+                                       refresh_below=None, budget="layer")
   assert not config.data.augment and config.seed == 3
   assert config.schedule.lr_decay_epochs == (1.0, 2.5)
   assert config.schedule.decay_boundaries(10, 1400) == [10, 25]
-  assert train.method_flags("dlgs-paper") == ["--method", "dlgs", "--refresh-below", "none"]
+  assert train.method_flags("dlgs-paper") == ["--method", "dlgs", "--refresh-below", "none",
+                                             "--budget", "layer"]
   assert train.method_flags("lags-head") == ["--method", "lags", "--send-whole", "head"]
   assert train.config_from_args(["--candidates", "5"]).method.candidates == 5
   assert train.method_flags("dense") == ["--method", "dense"]
@@ -590,8 +596,9 @@ def test_a_checkpoint_of_residuals_kept_leaf_by_leaf_is_converted_or_refused(tmp
   """A checkpoint written before flat residual buffers resumes, laid out anew, bit for bit
   with a run that never stopped; with another worker count too, it is refused in one
   line naming the layout and the fix."""
-  args = [*SMALL, "--method", "dlgs", "--density", "0.05", "--local-devices", "2",
-          "--steps", "6", "--checkpoint-every", "3", "--check-every", "0"]
+  # Runs before flat buffers selected a threshold per layer and named no budget.
+  args = [*SMALL, "--method", "dlgs", "--budget", "layer", "--density", "0.05",
+          "--local-devices", "2", "--steps", "6", "--checkpoint-every", "3", "--check-every", "0"]
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
   assert whole.returncode == 0, whole.stderr[-3000:]
   parts = [*args, "--workdir", str(tmp_path / "parts")]

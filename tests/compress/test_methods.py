@@ -68,13 +68,28 @@ def test_configurations_run_density_free_methods_once():
     (MethodConfig(collective="ring"), "collective"),
     (MethodConfig(terngrad_clip=-1.0), "terngrad_clip"),
     (MethodConfig(budget="global"), "budget"),
-    (MethodConfig(budget="message", send_whole=("head",)), "budget"),
-    (MethodConfig(budget="message", min_ndim=2), "budget"),
+    (MethodConfig(budget="message", send_whole=("head",)), "send_whole"),
+    (MethodConfig(min_ndim=2), "min_ndim"),
 ])
 def test_bad_options_are_named(config, option):
   with pytest.raises(ConfigError) as error:
     config.validate()
   assert error.value.option == option and repr(error.value.value) in str(error.value)
+
+
+def test_the_default_budget_is_a_message_and_the_per_layer_variants_name_theirs():
+  assert MethodConfig().budget == "message" and method_config("dlgs") == method_config(
+      "dlgs-message")
+  per_layer = [name for name, v in methods.VARIANTS.items()
+               if v.base == "dlgs" and v.options.get("budget") == "layer"]
+  assert {"dlgs-paper", "dlgs-layer", "dlgs-head", "dlgs-paper-head", "dlgs-whole1d",
+          "dlgs-owners"} <= set(per_layer)
+  for name in per_layer:
+    assert method_config(name).validate().budget == "layer"
+  # Every DLGS variant that sends a leaf whole names the budget that can.
+  for name, v in methods.VARIANTS.items():
+    if v.base == "dlgs" and ("send_whole" in v.options or "min_ndim" in v.options):
+      assert name in per_layer
 
 
 def test_send_whole_names_the_head_or_given_leaves_and_rejects_unknown_ones():
@@ -99,8 +114,9 @@ def test_a_message_budget_without_a_plan_takes_the_buckets_not_one_message_a_lea
   order = list(reversed(grouping.leaf_paths(shapes)))
   groups = lambda config: jax.eval_shape(  # noqa: E731
       config.compressor(order=order).init, shapes).stats.groups.paths
-  assert groups(MethodConfig("dlgs")) == tuple((path,) for path in order)
-  assert groups(MethodConfig("dlgs", budget="message")) == (tuple(order),)
+  assert groups(MethodConfig("dlgs", budget="layer")) == tuple((path,) for path in order)
+  assert groups(MethodConfig("dlgs")) == groups(MethodConfig("dlgs", budget="message"))
+  assert groups(MethodConfig("dlgs")) == (tuple(order),)
   planned = [order[:2], order[2:]]
   assert MethodConfig("dlgs", budget="message").compressor(order=order, groups=planned).init(
       shapes).stats.groups.paths == tuple(map(tuple, planned))
@@ -119,7 +135,7 @@ def test_the_config_builds_the_method_it_describes():
       jax.tree_util.tree_structure(shapes),
       [rng.standard_normal(x.shape).astype(np.float32) for x in leaves])
   order = list(reversed(paths))
-  config = MethodConfig("dlgs", density=0.05, send_whole=("head",))
+  config = MethodConfig("dlgs", density=0.05, send_whole=("head",), budget="layer")
   tx = config.compressor(order=order)
   sent, state = jax.jit(tx.update)(grads, tx.init(grads))
   head = set(config.whole_paths(order))

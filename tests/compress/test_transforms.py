@@ -126,7 +126,7 @@ def test_one_collective_per_group(groups, expected):
 
 def test_dlgs_thresholds_recomputed_only_every_reuse_steps():
   reuse = 3
-  tx = dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(reuse))
+  tx = dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(reuse), budget="layer")
   rng = np.random.default_rng(3)
   steps = [random_grads(PARAMS, W, rng) for _ in range(7)]
   _, _, states = run_steps(tx, PARAMS, steps, W)
@@ -224,7 +224,8 @@ def test_a_group_keeps_or_recomputes_its_thresholds_together(candidates):
   groups = [ORDER[:2], ORDER[2:]]
   rule = (dlgs_jax.RefreshReuse(100) if candidates == 1
           else dlgs_jax.AdaptedReuse(100, candidates=candidates))
-  tx = dlgs_jax.dlgs(density, axis_name="data", thresholds=rule, order=ORDER, groups=groups)
+  tx = dlgs_jax.dlgs(density, axis_name="data", thresholds=rule, order=ORDER, groups=groups,
+                     budget="layer")
   rng = np.random.default_rng(11)
   steps = [random_grads(PARAMS, W, rng, scale=s) for s in (1.0, 1.0, 0.01, 1.0, 30.0, 1.0)]
   _, _, states = run_steps(tx, PARAMS, steps, W)
@@ -312,9 +313,10 @@ def test_lags_matches_numpy_reference_over_steps():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [
-    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(3), **kw),
+    lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(3),
+                               budget="layer", **kw),
     lambda **kw: dlgs_jax.dlgs(0.1, axis_name="data", thresholds=dlgs_jax.FixedReuse(2),
-                               capacity_factor=1.5, **kw),
+                               budget="layer", capacity_factor=1.5, **kw),
     lambda **kw: dlgs_jax.lags(0.2, axis_name="data", **kw),
 ])
 def test_layer_wise_methods_send_the_same_grouped_or_not(make):
@@ -341,15 +343,17 @@ HEAD_MASK = {"conv": {"bias": False, "kernel": False}, "dense": {"bias": True, "
 @pytest.mark.parametrize("make,whole", [
     (lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=VECTORS), BIASES),
     (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(1),
-                           send_whole=VECTORS), BIASES),
+                           send_whole=VECTORS, budget="layer"), BIASES),
     (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3),
-                           send_whole=VECTORS, order=ORDER, groups=[ORDER[:2], ORDER[2:]]), BIASES),
+                           send_whole=VECTORS, budget="layer", order=ORDER,
+                           groups=[ORDER[:2], ORDER[2:]]), BIASES),
     (lambda: dlgs_jax.lags(0.2, axis_name="data", send_whole=HEAD), HEAD),
     (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3),
-                           send_whole=HEAD), HEAD),
+                           send_whole=HEAD, budget="layer"), HEAD),
     (lambda: dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.AdaptedReuse(3),
-                           send_whole=HEAD, order=ORDER, groups=[ORDER[:3], ORDER[3:]]), HEAD),
-    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", send_whole=HEAD_MASK), HEAD),
+                           send_whole=HEAD, budget="layer", order=ORDER,
+                           groups=[ORDER[:3], ORDER[3:]]), HEAD),
+    (lambda: dlgs_jax.dlgs(0.2, axis_name="data", send_whole=HEAD_MASK, budget="layer"), HEAD),
 ])
 def test_leaves_sent_whole_arrive_exact_and_the_rest_stays_sparse(make, whole):
   """Leaves the mask sends whole: the exact mean, no residual; nothing lost overall."""
@@ -426,7 +430,7 @@ def test_an_empty_send_whole_sends_no_leaf_whole(none):
 ])
 def test_a_mask_that_does_not_fit_the_tree_is_refused_at_init(send_whole, match):
   with pytest.raises(ValueError, match=match):
-    dlgs_jax.dlgs(0.1, send_whole=send_whole).init(PARAMS)
+    dlgs_jax.dlgs(0.1, send_whole=send_whole, budget="layer").init(PARAMS)
 
 
 def numpy_select(acc, thresholds, cap, k, *, exact):
@@ -476,7 +480,7 @@ def test_dlgs_on_the_papers_schedule_matches_numpy(every, capacity_factor, group
   rng = np.random.default_rng(7)
   steps = [random_grads(PARAMS, W, rng) for _ in range(5)]
   tx = dlgs_jax.dlgs(0.2, axis_name="data", thresholds=dlgs_jax.FixedReuse(every),
-                     capacity_factor=capacity_factor, groups=groups,
+                     budget="layer", capacity_factor=capacity_factor, groups=groups,
                      order=ORDER if groups else None)
   updates, _, states = run_steps(tx, PARAMS, steps, W)
   for (mean, residual), update, state in zip(

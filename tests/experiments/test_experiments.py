@@ -430,19 +430,19 @@ def test_the_full_cifar_table_pairs_the_head_run_once_it_has_landed(tmp_path, mo
     command = dict(suite.full_steps())["accuracy_full_table"]
     return command[command.index("--versus") + 1], command[command.index("--merge") + 1]
 
-  for name in ("dense_seed0", "dlgs-paper_seed0", "dlgs_seed0"):
+  for name in ("dense_seed0", "dlgs-paper_seed0", "dlgs-layer_seed0"):
     (folder / name).mkdir(parents=True)
     (folder / name / "results.json").write_text("{}")
   versus, merged = table_versus()
-  assert versus == "dlgs-paper:dlgs" and merged.count("results.json") == 3
+  assert versus == "dlgs-paper:dlgs-layer" and merged.count("results.json") == 3
   (folder / "dlgs-paper-head_seed0").mkdir()
   (folder / "dlgs-paper-head_seed0" / "results.json").write_text("{}")
   versus, merged = table_versus()
-  assert versus == "dlgs-paper:dlgs,dlgs-paper-head:dlgs-paper" and "head_seed0" in merged
+  assert versus == "dlgs-paper:dlgs-layer,dlgs-paper-head:dlgs-paper" and "head_seed0" in merged
   (folder / "dlgs-message_0.01_seed0").mkdir()
   (folder / "dlgs-message_0.01_seed0" / "results.json").write_text("{}")
   versus, merged = table_versus()
-  assert versus.endswith(",dlgs-message:dlgs,dlgs-message:topk") and "message_0.01" in merged
+  assert versus.endswith(",dlgs-message:dlgs-layer,dlgs-message:topk") and "message_0.01" in merged
 
 
 def test_every_suite_step_names_a_section_the_report_has(tmp_path):

@@ -54,7 +54,7 @@ def test_the_owners_gap_names_the_code_of_each_run_when_they_differ(monkeypatch)
 
   def table(owners_code, dlgs_code):
     rows = [{"method": "dlgs-owners", "density": 0.1, "seed": 0, "summary": summary(0.89)},
-            {"method": "dlgs", "density": 0.1, "seed": 0, "summary": summary(0.894)}]
+            {"method": "dlgs-layer", "density": 0.1, "seed": 0, "summary": summary(0.894)}]
     for row, code in zip(rows, (owners_code, dlgs_code)):
       if code:
         row["code"] = code
@@ -70,5 +70,5 @@ def test_the_owners_gap_names_the_code_of_each_run_when_they_differ(monkeypatch)
   same = rendered(["abc1234"], ["abc1234"])
   assert "paired gap -0.40 points) | 89.00%" in same and "trained at" not in same
   mixed = rendered(None, ["abc1234"])
-  assert ("paired gap -0.40 points; dlgs trained at abc1234, dlgs-owners at a commit before "
+  assert ("paired gap -0.40 points; dlgs-layer trained at abc1234, dlgs-owners at a commit before "
           "runs recorded theirs)") in mixed

@@ -6,11 +6,12 @@ from tests.experiments.test_experiments import load
 def test_dlgs_has_one_conditional_and_no_sort():
   census = load("update_programs")
   rows = {r["method"]: r for r in census.measure(
-      "smallcnn", only=["dense", "dlgs paper, buckets"])}
-  assert set(rows) == {"dense", "dlgs paper, buckets", "dlgs paper, buckets, message budget"}
-  dlgs = rows["dlgs paper, buckets"]
+      "smallcnn", only=["dense", "dlgs-paper"])}
+  assert set(rows) == {"dense", "dlgs-paper, one group", "dlgs-paper, buckets",
+                       "dlgs-paper-message, buckets"}
+  dlgs = rows["dlgs-paper, buckets"]
   # One conditional for the whole update: the thresholds of the next step.
-  for row in (dlgs, rows["dlgs paper, buckets, message budget"]):
+  for row in (dlgs, rows["dlgs-paper-message, buckets"]):
     assert row["conditionals"] == 1 and row["sorts"] == 0 and row["top_k"] == 0, row
   assert rows["dense"]["conditionals"] == 0
   table = census.table(list(rows.values()))

@@ -427,9 +427,10 @@ def test_training_optimizer_sends_a_dlgs_group_as_one_message():
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   # One entry per message sent.
   assert dlgs_jax.compress.state.comm_stats(state).selected.shape == (1,)
-  # Layer-wise top-k inside the group: 8 of 32 and 1 of 4 values leave.
-  assert int(np.count_nonzero(np.asarray(updates["0000"]))) == 8
-  assert int(np.count_nonzero(np.asarray(updates["0001"]))) == 1
+  # One threshold over the message (the default budget): its k = 8 + 1 largest |g|,
+  # all in the first leaf; a threshold per layer sends 8 of 32 and 1 of 4.
+  assert int(np.count_nonzero(np.asarray(updates["0000"]))) == 9
+  assert int(np.count_nonzero(np.asarray(updates["0001"]))) == 0
 
 
 def test_update_grid_spans_the_model_and_ends_the_leaf_range():

@@ -95,14 +95,18 @@ class BenchmarkConfig:
     for name in ("batches", "steps", "batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-    self.method.validate()
     check_slots(self.compile_slots)
     if self.compare:
+      # The shared options are checked as each compared method takes them.
       self._validate_compare()
+      for name in self.compare:
+        self.compared_method(name)
     elif self.plans or self.compile_slots is not None:
       given = "--plans" if self.plans else "--compile-slots"
       raise ValueError(f"{given} is for --compare; got {given} "
                        f"{self.plans or self.compile_slots!r} without it")
+    else:
+      self.method.validate()
     return self
 
   def _validate_compare(self) -> None:

@@ -97,15 +97,19 @@ class Checkpointer:
     max_to_keep: how many of the most recent checkpoints are kept.
     asynchronous: write in a background thread (training continues meanwhile).
     warn: called with a one-line message for each checkpoint passed over.
+    added: identity settings older checkpoints do not name, each with the
+      value such a checkpoint ran with (compared as if it had named it).
   """
 
   def __init__(self, directory, identity: dict[str, Any], *, max_to_keep: int = 3,
-               asynchronous: bool = True, warn: Optional[Callable[[str], None]] = None):
+               asynchronous: bool = True, warn: Optional[Callable[[str], None]] = None,
+               added: Optional[dict[str, Any]] = None):
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep!r}")
     if not identity:
       raise ValueError("a checkpointer needs the run's identity (a non-empty dict)")
     self.identity = dict(identity)
+    self.added = dict(added or {})
     self.warn = warn or (lambda message: None)
     self.directory = os.path.abspath(os.fspath(directory))
     self.manager = ocp.CheckpointManager(
@@ -154,7 +158,10 @@ class Checkpointer:
       record: a checkpoint's record.
       allow: settings that may differ (the caller deals with them).
     """
-    saved = record.get("identity", {})
+    saved = dict(record.get("identity", {}))
+    for key, value in self.added.items():
+      if key in self.identity and key not in saved:
+        saved[key] = value
     keys = sorted(set(saved) | set(self.identity))
     differ = {k: (saved.get(k), self.identity.get(k)) for k in keys
               if _normal(saved.get(k)) != _normal(self.identity.get(k))}

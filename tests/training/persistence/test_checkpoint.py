@@ -234,3 +234,26 @@ def test_dgc_state_resumes_bit_for_bit_through_a_checkpoint(tmp_path):
   for a, b in zip(host(rest_updates), host(whole_updates[3:])):
     np.testing.assert_array_equal(a, b)
   assert np.asarray(resumed.count).tolist() == [6, 6] and np.any(host(resumed.velocity)[0] != 0)
+
+
+def test_an_option_added_later_reads_as_the_value_older_checkpoints_ran_with(tmp_path):
+  from dlgs_jax.training.config import ADDED_OPTIONS, RunConfig
+
+  # DLGS's default budget is one threshold per message; a run names it in its identity.
+  assert RunConfig().identity()["method.budget"] == "message"
+  older = {"identity": dict(RUN)}  # written before the budget was an option: a per-layer run
+  made = []
+
+  def checker(name, **identity):
+    made.append(checkpoint.Checkpointer(tmp_path / name, dict(RUN, **identity),
+                                        added=ADDED_OPTIONS))
+    return made[-1]
+
+  checker("layer", **{"method.budget": "layer"}).check(older)  # resumes as the run it was
+  with pytest.raises(checkpoint.CheckpointMismatch,
+                     match="method.budget: checkpoint 'layer', this run 'message'"):
+    checker("message", **{"method.budget": "message"}).check(older)
+  # A run whose identity holds no budget (a method without one) is not compared on it.
+  checker("topk").check(older)
+  for ckpt in made:
+    ckpt.close()
