@@ -36,9 +36,9 @@ CLUSTER_ROWS = [(model, link) for link in ("100mbit", "1gbit")
                 for model in ("resnet50", "vgg16", "resnet20")]
 # Results written while DLGS's default was a threshold per layer (the adapted rule) call
 # that "dlgs"; the tables name it `dlgs-layer`, its name since the default became one
-# threshold per message (`dlgs-message`). Rows of the per-layer rule read "dlgs" from
-# those files and "dlgs-layer" from newer ones (`_per_layer`).
-SPARSE = (("dlgs", "DLGS per layer"), ("dlgs-paper", "DLGS, paper's rule"), ("topk", "Top-k"),
+# threshold per message. A cluster job records each DLGS method's budget since; one
+# that does not ran "dlgs" per layer (`_budget_named`, `_per_layer`).
+SPARSE = (("dlgs", "DLGS"), ("dlgs-layer", "DLGS per layer"), ("dlgs-paper", "DLGS, paper's rule"), ("topk", "Top-k"),
           ("lags", "LAGS"), ("gtopk", "gTop-k"))
 
 
@@ -56,12 +56,23 @@ def _gaps(seeds: dict, reference: dict, measure: Callable = _final) -> list[floa
           if s in reference]
 
 
+def _budget_named(run: Optional[dict]) -> Optional[dict]:
+  """A cluster job with its "dlgs" called `dlgs-layer` where it ran a threshold per layer."""
+  if run is None or run["methods"].get("dlgs", {}).get("budget", "layer") != "layer":
+    return run
+  name = lambda method: "dlgs-layer" if method == "dlgs" else method  # noqa: E731
+  return {**run, "methods": {name(m): v for m, v in run["methods"].items()},
+          "summary": [{**row, "method": name(row["method"])} for row in run["summary"]],
+          "wins": {name(a): {name(b): n for b, n in row.items()}
+                   for a, row in run["wins"].items()}}
+
+
 def cluster_runs(model: str, link: str) -> tuple[Optional[dict], Optional[dict]]:
   """The paired cluster job of a row, and the job that ran LAGS and gTop-k where it is another."""
   base = RESULTS / "compare" / "batched"
   main = _load(base / f"{model}_{link}" / f"compare_{model}_0.01.json")
   extra = _load(base / f"{model}_{link}_lags_gtopk" / f"compare_{model}_0.01.json")
-  return main, extra
+  return _budget_named(main), _budget_named(extra)
 
 
 def _summary(run: Optional[dict], method: str) -> Optional[dict]:
@@ -143,8 +154,8 @@ def _number(x: float) -> str:
 
 def cluster_report() -> str:
   """The report's cluster table: speedups with their range and rounds, and DLGS's own columns."""
-  lines = ["| model | link | dense step | `dlgs-layer` | `dlgs-paper` | Top-k | LAGS | gTop-k "
-           "| `dlgs-layer` exact | `dlgs-layer` − `dlgs-paper` |", "|---" * 10 + "|"]
+  lines = ["| model | link | dense step | `dlgs` | `dlgs-layer` | `dlgs-paper` | Top-k | LAGS "
+           "| gTop-k | `dlgs-layer` exact | `dlgs-layer` − `dlgs-paper` |", "|---" * 11 + "|"]
   for link in ("1gbit", "100mbit"):
     for model in ("vgg16", "resnet20", "resnet50"):
       main, _ = cluster_runs(model, link)
@@ -154,19 +165,19 @@ def cluster_report() -> str:
       dense = main["methods"]["dense"]["median"]
       cells = [MODELS[model], LINKS[link] + _flat(main), f"{dense * 1e3:.0f} ms"]
       cells += [_cell(found, method, detail=True) for method, _ in SPARSE]
-      dlgs, paper = main["methods"].get("dlgs"), main["methods"].get("dlgs-paper")
+      dlgs, paper = main["methods"].get("dlgs-layer"), main["methods"].get("dlgs-paper")
       cells.append(f"{_number(dlgs['exact_leaves'])} of {_leaves(model)}" if dlgs else "-")
       if dlgs and paper:
         rounds = len(main["round_orders"])
         cells.append(f"{(dlgs['median'] / paper['median'] - 1) * 100:+.1f}%, "
-                     f"{main['wins']['dlgs']['dlgs-paper']}/{rounds}")
+                     f"{main['wins']['dlgs-layer']['dlgs-paper']}/{rounds}")
       else:
         cells.append("-")
       lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
-MESSAGE_METHODS = (("topk", "Top-k"), ("dlgs", "`dlgs-layer`"), ("dlgs-message", "`dlgs-message`"),
+MESSAGE_METHODS = (("topk", "Top-k"), ("dlgs-layer", "`dlgs-layer`"), ("dlgs-message", "`dlgs-message`"),
                    ("dlgs-paper", "`dlgs-paper`"), ("dlgs-paper-message", "`dlgs-paper-message`"))
 
 
@@ -176,7 +187,8 @@ def cluster_message() -> str:
            + " | rounds ahead of Top-k, per message: default / paper's rule |",
            "|---" * (4 + len(MESSAGE_METHODS)) + "|"]
   for model in ("vgg16", "resnet20"):
-    run = _load(RESULTS / "compare" / "message" / f"{model}_100mbit" / f"compare_{model}_0.01.json")
+    run = _budget_named(_load(RESULTS / "compare" / "message" / f"{model}_100mbit"
+                              / f"compare_{model}_0.01.json"))
     if run is None:
       continue
     cells = [MODELS[model], LINKS["100mbit"], f"{run['methods']['dense']['median'] * 1e3:.0f} ms"]

@@ -134,7 +134,8 @@ def full_steps() -> list[tuple[str, list[str]]]:
           "resnet20", 0.01, "dense,topk,dlgs-paper", 60, 3, "--out-dir",
           r + "compare/resnet20_100mbit/topk_pair", plans="cluster_resnet20", bandwidth="100mbit")),
       *[(f"compare_batched_{model}_{link or '1gbit'}", compare(
-          model, 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-paper", rounds, steps, "--out-dir",
+          model, 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-layer,dlgs-paper", rounds, steps,
+          "--out-dir",
           f"{r}compare/batched/{model}_{link or '1gbit'}", plans=plans, bandwidth=link))
         for model, plans, rounds, steps in [("resnet20", "cluster_resnet20", 20, 3),
                                             ("vgg16", "cluster", 6, 2)]
@@ -142,7 +143,7 @@ def full_steps() -> list[tuple[str, list[str]]]:
       # The budget per message against the budget per layer and Top-k, every method
       # one message (the plans' grouping; the message variants have none and send one).
       *[(f"compare_message_{model}_100mbit", compare(
-          model, 0.01, "dense,topk,dlgs,dlgs-message,dlgs-paper,dlgs-paper-message", rounds,
+          model, 0.01, "dense,topk,dlgs-layer,dlgs-message,dlgs-paper,dlgs-paper-message", rounds,
           steps, "--out-dir", f"{r}compare/message/{model}_100mbit", plans=plans,
           bandwidth="100mbit"))
         for model, plans, rounds, steps in [("resnet20", "cluster_resnet20", 20, 3),

@@ -117,6 +117,9 @@ def test_benchmark_compares_methods_in_interleaved_rounds(tmp_path):
     assert m["median"] == pytest.approx(np.median(np.concatenate(m["raw"])))
   assert result["methods"]["dense"]["groups"] == result["methods"]["dlgs-paper"]["groups"] == 1
   assert result["methods"]["topk"]["groups"] is None
+  # DLGS's budget is recorded (the report names a per-layer run by it); Top-k has none.
+  assert result["methods"]["dlgs-paper"]["budget"] == "layer"
+  assert result["methods"]["topk"]["budget"] is None
   # Density 0.1: the sparse methods send (index, value) pairs of a tenth of the values.
   dense_bytes = result["methods"]["dense"]["bytes_sent"]
   assert 0 < result["methods"]["topk"]["bytes_sent"] < 0.5 * dense_bytes

@@ -27,7 +27,8 @@ def test_a_number_edited_by_hand_is_found_and_rendered_back():
   text = (ROOT / "README.md").read_text()
   block = render.BLOCK.search(text)
   rendered = render.TABLES[block.group(2)]()
-  cell = rendered.split("\n")[2].split(" | ")[2]   # first row, first method's cell
+  # The first row's first speedup (a method not run in that job shows "-").
+  cell = next(c for c in rendered.split("\n")[2].split(" | ")[2:] if c.endswith("x"))
   edited = text.replace(cell, "9.99x", 1)
   assert edited != text
   again, changed = render.render(edited, "README.md")
@@ -37,10 +38,12 @@ def test_a_number_edited_by_hand_is_found_and_rendered_back():
 
 def test_the_cluster_cells_come_from_the_summary_of_the_run():
   main, _ = render.cluster_runs("vgg16", "100mbit")
-  speedup = next(row["speedup"] for row in main["summary"] if row["method"] == "dlgs")
+  # The per-layer DLGS of a job that ran it as "dlgs", named as it is now.
+  speedup = next(row["speedup"] for row in main["summary"] if row["method"] == "dlgs-layer")
   row = next(line for line in render.speedups().split("\n")
              if line.startswith("| VGG16 | 100 Mbit/s"))
-  assert f"{speedup:.2f}x" == row.split(" | ")[2].strip("*")
+  column = [name for _, name in render.SPARSE].index("DLGS per layer")
+  assert f"{speedup:.2f}x" == row.split(" | ")[2 + column].strip("*")
 
 
 def test_a_block_naming_no_table_is_refused_in_one_line():
@@ -72,3 +75,18 @@ def test_the_owners_gap_names_the_code_of_each_run_when_they_differ(monkeypatch)
   mixed = rendered(None, ["abc1234"])
   assert ("paired gap -0.40 points; dlgs-layer trained at abc1234, dlgs-owners at a commit before "
           "runs recorded theirs)") in mixed
+
+
+def test_a_cluster_job_names_its_per_layer_dlgs_by_the_budget_it_recorded():
+  def job(budget):
+    record = {} if budget is None else {"budget": budget}
+    return {"methods": {"dlgs": {"median": 1.0, **record}, "topk": {"median": 2.0}},
+            "summary": [{"method": "dlgs"}, {"method": "topk"}],
+            "wins": {"dlgs": {"topk": 3}, "topk": {"dlgs": 1}}}
+
+  for budget in (None, "layer"):  # jobs before budgets were recorded ran a threshold per layer
+    named = render._budget_named(job(budget))
+    assert set(named["methods"]) == {"dlgs-layer", "topk"}
+    assert [row["method"] for row in named["summary"]] == ["dlgs-layer", "topk"]
+    assert named["wins"] == {"dlgs-layer": {"topk": 3}, "topk": {"dlgs-layer": 1}}
+  assert render._budget_named(job("message")) == job("message")

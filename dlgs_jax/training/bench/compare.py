@@ -137,8 +137,10 @@ def compare(config: BenchmarkConfig, mesh) -> dict:
     run = runs[name]
     stats = stats_summary(parallel.fetch(comm_stats(run["state"].opt_state)))
     exact = [float(x) for x in run["exact"] if x is not None]
+    method = config.compared_method(name)
     result["methods"][name] = {
         "grouping": run["grouping"], "groups": run["groups"],
+        "budget": method.budget if "budget" in method.spec.options else None,
         "median": float(np.median(np.concatenate(raw[name]))),
         "round_medians": [float(np.median(t)) for t in raw[name]],
         "raw": raw[name], "bytes_sent": stats["bytes_sent"],
