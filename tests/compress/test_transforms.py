@@ -1,5 +1,6 @@
 """Invariants of the communication transforms on 8 simulated CPU workers."""
 
+import functools
 import re
 
 import jax
@@ -402,7 +403,8 @@ def test_lags_with_whole_leaves_matches_numpy_reference(kwargs, whole):
     residual = residual_tree(state, PARAMS)
 
 
-@pytest.mark.parametrize("factory", [dlgs_jax.dlgs, dlgs_jax.lags])
+@pytest.mark.parametrize("factory", [functools.partial(dlgs_jax.dlgs, budget="layer"),
+                                     dlgs_jax.lags])
 def test_send_whole_unknown_path_raises_at_init(factory):
   with pytest.raises(ValueError, match="dense/kernl"):
     factory(0.1, send_whole=["dense/kernl"]).init(PARAMS)
@@ -411,7 +413,7 @@ def test_send_whole_unknown_path_raises_at_init(factory):
 @pytest.mark.parametrize("send_whole", ["dense/kernel", [3], {"dense": 1.0}])
 def test_send_whole_must_be_a_mask_or_paths(send_whole):
   with pytest.raises(ValueError, match="send_whole"):
-    dlgs_jax.dlgs(0.1, send_whole=send_whole)
+    dlgs_jax.dlgs(0.1, send_whole=send_whole, budget="layer")
 
 
 @pytest.mark.parametrize("none", [None, [], ()])

@@ -43,9 +43,10 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   assert model["forward_backward_ms"] > 0 and model["forward_backward_batch"] == 4
   rows = {(r["method"], r["grouping"]): r for r in result["rows"]}
   assert set(rows) == {("dense", "-"), ("topk", "-"), ("gtopk", "-"),
-                       ("lags", "one group"), ("dlgs-paper", "one group"), ("dlgs", "one group"),
-                       ("dlgs-message", "one group"), ("lags", "default"),
-                       ("dlgs-paper", "default"), ("dlgs", "default"), ("dlgs-message", "default")}
+                       ("lags", "one group"), ("dlgs-paper", "one group"),
+                       ("dlgs-layer", "one group"), ("dlgs-message", "one group"),
+                       ("lags", "default"), ("dlgs-paper", "default"), ("dlgs-layer", "default"),
+                       ("dlgs-message", "default")}
   for r in rows.values():
     assert r["update_ms"] > 0 and r["floor_ms"] > 0 and r["over_floor"] > 0
   # What the programs are made of: no method sorts its gradient (a top-k is an exact
@@ -66,7 +67,7 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   assert result["machine"]["exact_running_sums"] is True
   # The whole step: forward, backward and update in one program, against dense's.
   steps = {r["method"]: r for r in result["whole_step"]}
-  assert list(steps) == ["dense", "topk", "dlgs-paper", "dlgs", "dlgs-message"]
+  assert list(steps) == ["dense", "topk", "dlgs-paper", "dlgs-layer", "dlgs-message"]
   assert steps["dense"]["over_dense"] == 1.0 and steps["dense"]["batch"] == 4
   for r in steps.values():
     assert r["step_ms"] > 0 and r["over_dense"] == r["step_ms"] / steps["dense"]["step_ms"]
@@ -89,12 +90,12 @@ def test_gpu_check_stops_starting_work_once_its_budget_is_spent(tmp_path):
                      "--no-forward-backward", "--out", str(out)]) == 0
   assert json.loads(out.read_text())["models"]["smallcnn"]["forward_backward_ms"] is None
   assert check.main(["--small", "--models", "smallcnn", "--rounds", "1", "--budget-s", "0",
-                     "--methods", "dense", "dlgs", "--one-group", "--no-forward-backward",
+                     "--methods", "dense", "dlgs-message", "--one-group", "--no-forward-backward",
                      "--out", str(out)]) == 0
   assert sorted(json.loads(out.read_text())["skipped"]) == [
       "smallcnn 0.01 dense (-)", "smallcnn 0.01 dense (whole step)",
-      "smallcnn 0.01 dlgs (one group)", "smallcnn 0.01 dlgs (whole step)",
-      "smallcnn 0.1 dense (-)", "smallcnn 0.1 dlgs (one group)"]
+      "smallcnn 0.01 dlgs-message (one group)", "smallcnn 0.01 dlgs-message (whole step)",
+      "smallcnn 0.1 dense (-)", "smallcnn 0.1 dlgs-message (one group)"]
 
 
 @pytest.mark.parametrize("flags, message", [

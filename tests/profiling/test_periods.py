@@ -19,7 +19,7 @@ def test_a_period_is_timed_from_a_warmed_state_on_fresh_gradients():
   assert len(period) == 4
   assert not np.array_equal(np.asarray(period[0]["w"]), np.asarray(period[1]["w"]))
   for rule in (dlgs_jax.FixedReuse(4), dlgs_jax.AdaptedReuse(4)):
-    tx = dlgs_jax.dlgs(0.1, thresholds=rule)
+    tx = dlgs_jax.dlgs(0.1, thresholds=rule, budget="layer")  # exact counts per leaf
     run, exact = periods.schedule_period(tx, period, warm_periods=2)
     # The same state and gradients by hand: two periods, then the timed one.
     state, update = tx.init(period[0]), None

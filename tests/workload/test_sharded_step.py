@@ -386,8 +386,8 @@ def test_nnx_split_merge_step_updates_and_averages_its_state():
 
   order = dlgs_jax.backward_order(loss_fn, params, rest, (X[:6], Y[:6]), has_aux=True)
   assert dlgs_jax.output_layer(order) == ["head/bias/value", "head/kernel/value"]
-  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data", send_whole=dlgs_jax.output_layer(order)),
-                   optax.sgd(0.01))
+  tx = optax.chain(dlgs_jax.dlgs(0.3, axis_name="data", send_whole=dlgs_jax.output_layer(order),
+                                 budget="layer"), optax.sgd(0.01))
   dp = dlgs_jax.data_parallel(loss_fn, tx, m, model_state=True)
   state = dp.init(params, rest)
   state, _ = dp.step(state, jax.device_put((X, Y), dp.batch_sharding))
