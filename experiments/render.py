@@ -38,8 +38,8 @@ CLUSTER_ROWS = [(model, link) for link in ("100mbit", "1gbit")
 # that "dlgs"; the tables name it `dlgs-layer`, its name since the default became one
 # threshold per message. A cluster job records each DLGS method's budget since; one
 # that does not ran "dlgs" per layer (`_budget_named`, `_per_layer`).
-SPARSE = (("dlgs", "DLGS"), ("dlgs-layer", "DLGS per layer"), ("dlgs-paper", "DLGS, paper's rule"), ("topk", "Top-k"),
-          ("lags", "LAGS"), ("gtopk", "gTop-k"))
+SPARSE = (("dlgs", "DLGS"), ("dlgs-layer", "DLGS per layer"), ("dlgs-paper", "DLGS, paper's rule"),
+          ("topk", "Top-k"), ("lags", "LAGS"), ("gtopk", "gTop-k"))
 
 
 def _load(path: Path) -> Optional[dict]:
@@ -56,14 +56,18 @@ def _gaps(seeds: dict, reference: dict, measure: Callable = _final) -> list[floa
           if s in reference]
 
 
+def _per_layer(method: str) -> str:
+  """A row's method, with the per-layer adapted rule's old name "dlgs" called `dlgs-layer`."""
+  return "dlgs-layer" if method == "dlgs" else method
+
+
 def _budget_named(run: Optional[dict]) -> Optional[dict]:
   """A cluster job with its "dlgs" called `dlgs-layer` where it ran a threshold per layer."""
   if run is None or run["methods"].get("dlgs", {}).get("budget", "layer") != "layer":
     return run
-  name = lambda method: "dlgs-layer" if method == "dlgs" else method  # noqa: E731
-  return {**run, "methods": {name(m): v for m, v in run["methods"].items()},
-          "summary": [{**row, "method": name(row["method"])} for row in run["summary"]],
-          "wins": {name(a): {name(b): n for b, n in row.items()}
+  return {**run, "methods": {_per_layer(m): v for m, v in run["methods"].items()},
+          "summary": [{**row, "method": _per_layer(row["method"])} for row in run["summary"]],
+          "wins": {_per_layer(a): {_per_layer(b): n for b, n in row.items()}
                    for a, row in run["wins"].items()}}
 
 
@@ -177,8 +181,9 @@ def cluster_report() -> str:
   return "\n".join(lines)
 
 
-MESSAGE_METHODS = (("topk", "Top-k"), ("dlgs-layer", "`dlgs-layer`"), ("dlgs-message", "`dlgs-message`"),
-                   ("dlgs-paper", "`dlgs-paper`"), ("dlgs-paper-message", "`dlgs-paper-message`"))
+MESSAGE_METHODS = (("topk", "Top-k"), ("dlgs-layer", "`dlgs-layer`"),
+                   ("dlgs-message", "`dlgs-message`"), ("dlgs-paper", "`dlgs-paper`"),
+                   ("dlgs-paper-message", "`dlgs-paper-message`"))
 
 
 def cluster_message() -> str:
@@ -394,7 +399,8 @@ FULL_CIFAR_ROWS = (
     ("Top-k", "topk", 0.1), ("Top-k, density 0.01", "topk", 0.01), ("LAGS", "lags", 0.1),
     ("DLGS, a threshold per layer (`dlgs-layer`)", "dlgs-layer", 0.1),
     ("DLGS, a threshold per layer, density 0.01", "dlgs-layer", 0.01),
-    ("DLGS, paper's rule", "dlgs-paper", 0.1), ("DLGS, paper's rule, density 0.01", "dlgs-paper", 0.01),
+    ("DLGS, paper's rule", "dlgs-paper", 0.1),
+    ("DLGS, paper's rule, density 0.01", "dlgs-paper", 0.01),
     ("DLGS, paper's rule, head whole", "dlgs-paper-head", 0.1),
     ("DLGS, paper's rule, head whole, density 0.01", "dlgs-paper-head", 0.01),
     ("DLGS per layer, the owners' exchange", "dlgs-owners", 0.1))
@@ -430,11 +436,6 @@ def full_cifar() -> str:
     lines.append(f"| {label} | " + " | ".join(cells) + f" | {gap} | "
                  f"{any_run['bytes_sent_per_step'] / 1e6:.3f} | {exact} | {sent} |")
   return "\n".join(lines)
-
-
-def _per_layer(method: str) -> str:
-  """A device check's row name, with the per-layer adapted rule called `dlgs-layer` (`SPARSE`)."""
-  return "dlgs-layer" if method == "dlgs" else method
 
 
 def cpu_floor() -> str:

@@ -34,11 +34,13 @@ def _prepare(config: BenchmarkConfig, work) -> dict:
       nodes = nodes or _node_workload(work)
       mesh, batches = nodes
       axis, fast = tuple(mesh.axis_names), parallel.devices_per_node(mesh)
-    tx = optimizer_for(config.compared_method(name), axis, groups, work.order, fast)
+    method = config.compared_method(name)
+    tx = optimizer_for(method, axis, groups, work.order, fast)
     runs[name] = {"state": training.train_state_from_variables(work.variables, tx, mesh),
                   "step": training.make_train_step(work.model, tx, mesh, augment=False),
                   "batches": batches, "turn": 0, "exact": [], "grouping": description,
                   "groups": len(groups) if groups else None,
+                  "budget": method.budget if "budget" in method.spec.options else None,
                   "local": parallel.devices_per_node(mesh)}
   return runs
 
@@ -137,10 +139,8 @@ def compare(config: BenchmarkConfig, mesh) -> dict:
     run = runs[name]
     stats = stats_summary(parallel.fetch(comm_stats(run["state"].opt_state)))
     exact = [float(x) for x in run["exact"] if x is not None]
-    method = config.compared_method(name)
     result["methods"][name] = {
-        "grouping": run["grouping"], "groups": run["groups"],
-        "budget": method.budget if "budget" in method.spec.options else None,
+        "grouping": run["grouping"], "groups": run["groups"], "budget": run["budget"],
         "median": float(np.median(np.concatenate(raw[name]))),
         "round_medians": [float(np.median(t)) for t in raw[name]],
         "raw": raw[name], "bytes_sent": stats["bytes_sent"],
