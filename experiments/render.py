@@ -396,6 +396,8 @@ FULL_CIFAR_ROWS = (
     ("dense", "dense", None),
     ("DLGS, default: a threshold per message", "dlgs-message", 0.1),
     ("DLGS, default, density 0.01", "dlgs-message", 0.01),
+    ("DLGS, per message, aimed at all of k (`dlgs-spend`)", "dlgs-spend", 0.1),
+    ("DLGS, per message, aimed at all of k, density 0.01", "dlgs-spend", 0.01),
     ("Top-k", "topk", 0.1), ("Top-k, density 0.01", "topk", 0.01), ("LAGS", "lags", 0.1),
     ("DLGS, a threshold per layer (`dlgs-layer`)", "dlgs-layer", 0.1),
     ("DLGS, a threshold per layer, density 0.01", "dlgs-layer", 0.01),

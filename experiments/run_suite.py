@@ -82,15 +82,16 @@ def full_steps() -> list[tuple[str, list[str]]]:
   # Full CIFAR-10, ResNet-20, the paper's density: one run per step, so each lands on its own.
   # First the five methods on two seeds (DLGS a threshold per layer, the paper's budget,
   # its default when they ran); then a third seed, the head sent whole (both densities),
-  # 0.01, the owners' exchange against the all-gather's DLGS (seed 0), and the budget per
-  # message, the default since.
+  # 0.01, the owners' exchange against the all-gather's DLGS (seed 0), the budget per
+  # message, the default since, and that budget re-aimed at all of k (`dlgs-spend`).
   full_runs = ([(m, 0.1, s) for s in (0, 1)
                 for m in ("dense", "dlgs-paper", "dlgs-layer", "topk", "lags")]
                + [(m, 0.1, 2) for m in ("dense", "dlgs-paper", "dlgs-layer")]
                + [("dlgs-paper-head", d, s) for d in (0.1, 0.01) for s in (0, 1)]
                + [(m, 0.01, s) for s in (0, 1) for m in ("dlgs-paper", "dlgs-layer", "topk")]
                + [("dlgs-owners", 0.1, 0)]
-               + [("dlgs-message", d, s) for d in (0.01, 0.1) for s in (0, 1)])
+               + [("dlgs-message", d, s) for d in (0.01, 0.1) for s in (0, 1)]
+               + [("dlgs-spend", d, s) for d in (0.01, 0.1) for s in (0, 1)])
   # The message budget on the planned messages of the cluster benchmark (one for
   # ResNet-20 at both densities), copied into plans/ under the variant's name.
   planned = {"dlgs-message": ["--plan-dir", f"{r}accuracy_full/plans"]}
@@ -108,7 +109,8 @@ def full_steps() -> list[tuple[str, list[str]]]:
   versus = "dlgs-paper:dlgs-layer" + (",dlgs-paper-head:dlgs-paper" if any(
       "/dlgs-paper-head_seed" in p for p in landed) else "") + (
       ",dlgs-message:dlgs-layer,dlgs-message:topk" if any("/dlgs-message_" in p for p in landed)
-      else "")
+      else "") + (",dlgs-spend:dlgs-message,dlgs-spend:topk" if any(
+          "/dlgs-spend_" in p for p in landed) else "")
   return [
       *accuracy_full,
       ("accuracy_full_table", [e + "accuracy.py", "--merge", ",".join(landed), "--out-dir",

@@ -3,8 +3,8 @@
 Those runs kept each sparse transform's residuals as a tree shaped like the
 parameters, each leaf with its worker axis, and its thresholds as one scalar
 per leaf and worker, in the same state types and fields, and named no
-``state_layout`` in their identity (nor DLGS's ``method.budget``: a threshold per
-layer, the run's ``--budget layer``). Used by tests/cli/test_train.py:
+``state_layout`` in their identity (nor DLGS's ``method.budget``, a threshold per
+layer, the run's ``--budget layer``, or ``method.aim``, 0.9). Used by tests/cli/test_train.py:
 
     python -m tests.per_leaf_checkpoint <dlgs-train flags of the run, --workdir included>
 """
@@ -56,7 +56,7 @@ def main(argv) -> None:
       lambda n: per_leaf(n, host.params) if isinstance(n, kinds) else n, host.opt_state,
       is_leaf=lambda x: isinstance(x, kinds)))
   identity = {k: v for k, v in record["identity"].items()
-              if k not in ("state_layout", "method.budget")}
+              if k not in ("state_layout", "method.budget", "method.aim")}
   shutil.rmtree(directory)
   writer = checkpoint.Checkpointer(directory, identity)
   writer.save(int(record["step"]), old, data_position=record["data"],

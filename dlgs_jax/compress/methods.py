@@ -49,6 +49,9 @@ class MethodConfig:
     candidates: DLGS with `refresh_below` set: thresholds each leaf tries on a
       reuse step (multiples of its reused one, interpolated between); 1: the
       reused one only.
+    aim: DLGS's adapted rule (more than one candidate): the count a reused
+      threshold is re-aimed at, as a fraction of k, on the values of the step
+      before the one it serves (in (0, 2]; `rules.AdaptedReuse`).
     budget: DLGS: ``"message"`` (one threshold per message, its leaves' k
       together: the default) or ``"layer"`` (a threshold per leaf, k_l each:
       the paper's); `dlgs_jax.dlgs`.
@@ -71,6 +74,7 @@ class MethodConfig:
   reuse_every: int = 10
   refresh_below: Optional[float] = 0.5
   candidates: int = 7
+  aim: float = 0.9
   budget: str = "message"
   min_ndim: int = 0
   send_whole: tuple[str, ...] = ()
@@ -101,6 +105,11 @@ class MethodConfig:
     if self.refresh_below is None and self.candidates != MethodConfig.candidates:
       raise ConfigError("candidates", self.candidates, "candidates apply only with refresh_below "
                         "set (--refresh-below 0.5); the paper's schedule (none) has none")
+    _check_number("aim", self.aim, 0.0, 2.0, low_open=True)
+    if self.aim != MethodConfig.aim and (self.refresh_below is None or self.candidates == 1):
+      raise ConfigError("aim", self.aim, "re-aims the adapted rule's thresholds, which needs "
+                        "refresh_below set and candidates >= 2 (--refresh-below 0.5 "
+                        "--candidates 7)")
     if self.min_ndim < 0:
       raise ConfigError("min_ndim", self.min_ndim, "must be >= 0")
     if self.budget not in engine.BUDGETS:
@@ -171,7 +180,8 @@ class MethodConfig:
       return rules.FixedReuse(self.reuse_every)
     if self.candidates == 1:
       return rules.RefreshReuse(self.reuse_every, self.refresh_below)
-    return rules.AdaptedReuse(self.reuse_every, self.refresh_below, self.candidates)
+    return rules.AdaptedReuse(self.reuse_every, self.refresh_below, self.candidates,
+                              aim=self.aim)
 
   def whole_mask(self, order: Sequence[str]):
     """The transforms' ``send_whole`` mask: the leaves named and those of < ``min_ndim`` dims.
@@ -392,7 +402,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            collective="gtopk", message_bytes=lambda size, k, workers: wire.gtopk_bytes(k, workers)[0]),
     Method("dlgs", "per-leaf thresholds, exact every reuse_every steps, planned merging",
            _build_dlgs, takes_groups=True, whole_layers=True,
-           options=_LAYER_WISE + ("reuse_every", "refresh_below", "candidates", "budget"),
+           options=_LAYER_WISE + ("reuse_every", "refresh_below", "candidates", "aim", "budget"),
            grouping="optimal"),
     Method("dgc", "Deep Gradient Compression (sampled thresholds, momentum correction)",
            _build_dgc, options=("density", "dgc_warmup_epochs"), holds_momentum=True, planner_prices=False, per_leaf_update=True,
@@ -415,6 +425,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             "one threshold per message (the default, named)"),
     Variant("dlgs-paper-message", "dlgs", {"refresh_below": None, "budget": "message"},
             "the paper's fixed schedule, one threshold per message"),
+    Variant("dlgs-spend", "dlgs", {"aim": 1.1},
+            "one threshold per message, re-aimed at 1.1 k to send about all of k (the "
+            "default aims at 0.9 k)"),
     Variant("dlgs-refresh", "dlgs", {"candidates": 1, "budget": "layer"},
             "a threshold per layer kept as it is until one leaves the band (the refresh rule)"),
     Variant("dlgs-adapt", "dlgs", {"candidates": 7, "budget": "layer"},

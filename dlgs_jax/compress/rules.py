@@ -139,9 +139,12 @@ class AdaptedReuse:
     every: steps between scheduled exact thresholds (>= 1).
     below: the group's recompute trigger, a fraction of its k (in [0, 1]).
     candidates: thresholds tried per leaf and step (in [2, 16]).
-    aim: the target count as a fraction of k_l, under 1 because a leaf passing
-      more than its buffer sends its first passing values in index order, not
-      its largest (in (0, 1]).
+    aim: the target count as a fraction of k_l (in (0, 2]), counted on the
+      values the threshold is re-aimed on. The step that uses it passes fewer,
+      since what the step before sent has left the residual, so an aim of 1
+      sends less than k on average; above about 1, a leaf passing more than
+      its buffer sends its first passing values in index order, not its
+      largest (experiments/README.md, section 2, measures both).
     overflow: how many times its buffer a leaf may pass before its group
       recomputes (>= 1; ``math.inf``: never); what does not fit waits in the
       residual.
@@ -163,8 +166,8 @@ class AdaptedReuse:
       raise ValueError(f"AdaptedReuse(candidates={self.candidates!r}) is invalid: candidates "
                        f"must be an integer in [2, 16] (for none, use RefreshReuse)")
     if isinstance(self.aim, bool) or not isinstance(self.aim, numbers.Real) or not (
-        0.0 < self.aim <= 1.0):
-      raise ValueError(f"AdaptedReuse(aim={self.aim!r}) is invalid: aim must be in (0, 1]")
+        0.0 < self.aim <= 2.0):
+      raise ValueError(f"AdaptedReuse(aim={self.aim!r}) is invalid: aim must be in (0, 2]")
     if (isinstance(self.overflow, bool) or not isinstance(self.overflow, numbers.Real)
         or not self.overflow >= 1.0):
       raise ValueError(f"AdaptedReuse(overflow={self.overflow!r}) is invalid: overflow must "

@@ -205,8 +205,8 @@ FREE_OPTIONS = frozenset({
 
 # Options a checkpoint written before they existed does not name, and the value
 # that checkpoint ran with: DLGS selected a threshold per layer before its
-# budget was an option.
-ADDED_OPTIONS = {"method.budget": "layer"}
+# budget was an option, and aimed at 0.9 k before its aim was.
+ADDED_OPTIONS = {"method.budget": "layer", "method.aim": 0.9}
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig,
             "optimizer": OptimizerConfig, "schedule": ScheduleConfig, "plan": PlanConfig,

@@ -321,6 +321,8 @@ def test_the_planner_profiles_and_plans_slices_between_nodes_on_the_fly(tmp_path
     (["--nonfinite-limit", "0"], "--nonfinite-limit 0 is invalid"),
     (["--wire-dtype", "float16"], "--wire-dtype 'float16' is invalid: choose from"),
     (["--candidates", "0"], "--candidates 0 is invalid: must be an integer in [1, 16]"),
+    (["--aim", "2.5"], "--aim 2.5 is invalid: must be in (0, 2]"),
+    (["--candidates", "1", "--aim", "1"], "--aim 1.0 is invalid: re-aims the adapted rule's"),
     (["--refresh-below", "none", "--candidates", "3"],
      "--candidates 3 is invalid: candidates apply only with refresh_below set"),
     (["--simulate-workers", "0"], "--simulate-workers 0 is invalid: must be an integer in [1,"),

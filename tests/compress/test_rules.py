@@ -1,4 +1,5 @@
 """DLGS's threshold rules: their checks, candidates and drift tests against NumPy."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ from dlgs_jax.compress.methods import MethodConfig, method_config
     (lambda: rules.AdaptedReuse(candidates=1), r"candidates=1\).*use RefreshReuse"),
     (lambda: rules.AdaptedReuse(candidates=17), r"candidates=17"),
     (lambda: rules.AdaptedReuse(aim=0.0), r"aim=0.0"),
+    (lambda: rules.AdaptedReuse(aim=2.5), r"aim=2.5.*\(0, 2\]"),
     (lambda: rules.AdaptedReuse(overflow=0.5), r"overflow=0.5"),
     (lambda: rules.AdaptedReuse(exact_below_k=-1), r"exact_below_k=-1"),
 ])
@@ -45,6 +47,47 @@ def test_candidates_are_eighth_powers_of_two_two_thirds_below_one(candidates):
 def test_the_adapted_target_is_the_aim_or_the_band_whichever_is_higher():
   assert rules.AdaptedReuse().target == 0.9
   assert rules.AdaptedReuse(below=0.95).target == 0.95
+
+
+def _aimed_reference(x, previous, k, rule):
+  """NumPy: the threshold interpolated between the candidates that bracket target * k."""
+  factors = rule.factors()
+  counts = np.array([np.sum((np.abs(x) >= t) & (x != 0))
+                     for t in np.float32(previous) * factors]) + 0.5
+  target = rule.target * k
+  lo = min(max(int(np.sum(counts > target)) - 1, 0), len(factors) - 2)
+  span = counts[lo] - counts[lo + 1]
+  part = np.clip((counts[lo] - target) / span if span > 0 else float(counts[lo] > target), 0, 1)
+  return previous * (factors[lo] + part * (factors[lo + 1] - factors[lo]))
+
+
+@pytest.mark.parametrize("aim", [0.9, 1.1])
+def test_reused_thresholds_are_re_aimed_at_the_aim_times_k(aim):
+  # Leaves rescaled from the draw their previous thresholds were exact for:
+  # each new threshold is NumPy's interpolation at aim * k_l, and at aim 1 a
+  # leaf's threshold is lower than at 0.9: it passes about k_l, the whole budget.
+  rule = rules.AdaptedReuse(aim=aim)
+  rng = np.random.default_rng(1)
+  sizes, ks, scales = [3000, 2000, 900], [60, 40, 20], [0.8, 1.0, 1.1]
+  leaves = [s * rng.standard_normal(n).astype(np.float32) for n, s in zip(sizes, scales)]
+  previous = np.array([np.sort(np.abs(rng.standard_normal(n)))[-k] for n, k in zip(sizes, ks)],
+                      np.float32)
+
+  def count(thresholds, strides, which):
+    assert list(strides) == [1] * len(which)
+    return jnp.stack([jnp.sum((jnp.abs(leaves[i])[None] >= thresholds[j][:, None])
+                              & (leaves[i] != 0)[None], axis=1, dtype=jnp.int32)
+                      for j, i in enumerate(which)])
+
+  got = np.asarray(rule.propose(jnp.asarray(previous), ks=ks, whole=[False] * 3, count=count,
+                                sizes=sizes))
+  want = [_aimed_reference(x, p, k, rule) for x, p, k in zip(leaves, previous, ks)]
+  np.testing.assert_allclose(got, want, rtol=2e-6)
+  passed = [int(np.sum(np.abs(x) >= t)) for x, t in zip(leaves, got)]
+  assert all(abs(p - aim * k) <= 0.1 * k + 1 for p, k in zip(passed, ks)), (passed, ks)
+  lower = np.asarray(rules.AdaptedReuse().propose(jnp.asarray(previous), ks=ks,
+                                                  whole=[False] * 3, count=count, sizes=sizes))
+  assert np.all(got <= lower) and (aim == 0.9 or np.all(got < lower))
 
 
 def _reference(rule, passed, ks, capacities, sparse, live):
@@ -79,7 +122,7 @@ def test_drift_tests_match_numpy(rule):
 
 @pytest.mark.parametrize("name,want", [
     ("dlgs", rules.AdaptedReuse()), ("dlgs-paper", rules.FixedReuse()),
-    ("dlgs-refresh", rules.RefreshReuse())])
+    ("dlgs-refresh", rules.RefreshReuse()), ("dlgs-spend", rules.AdaptedReuse(aim=1.1))])
 def test_the_method_table_names_each_rule(name, want):
   assert method_config(name).threshold_rule() == want
   assert MethodConfig(reuse_every=4, refresh_below=None).threshold_rule() == rules.FixedReuse(4)

@@ -253,6 +253,11 @@ def test_an_option_added_later_reads_as_the_value_older_checkpoints_ran_with(tmp
   with pytest.raises(checkpoint.CheckpointMismatch,
                      match="method.budget: checkpoint 'layer', this run 'message'"):
     checker("message", **{"method.budget": "message"}).check(older)
+  # DLGS aimed its reused thresholds at 0.9 k before the aim was an option.
+  checker("aimed", **{"method.budget": "layer", "method.aim": 0.9}).check(older)
+  with pytest.raises(checkpoint.CheckpointMismatch,
+                     match="method.aim: checkpoint 0.9, this run 1.0"):
+    checker("spend", **{"method.budget": "layer", "method.aim": 1.0}).check(older)
   # A run whose identity holds no budget (a method without one) is not compared on it.
   checker("topk").check(older)
   for ckpt in made:
