@@ -93,8 +93,8 @@ def full_steps() -> list[tuple[str, list[str]]]:
                + [("dlgs-message", d, s) for d in (0.01, 0.1) for s in (0, 1)]
                + [("dlgs-spend", d, s) for d in (0.01, 0.1) for s in (0, 1)])
   # The message budget on the planned messages of the cluster benchmark (one for
-  # ResNet-20 at both densities), copied into plans/ under the variant's name.
-  planned = {"dlgs-message": ["--plan-dir", f"{r}accuracy_full/plans"]}
+  # ResNet-20 at both densities), copied into plans/ under each variant's name.
+  planned = {m: ["--plan-dir", f"{r}accuracy_full/plans"] for m in ("dlgs-message", "dlgs-spend")}
   # A run's name is its step's (after "accuracy_full_") and its results folder's.
   named = [(f"{m}{'' if d == 0.1 else f'_{d:g}'}_seed{s}", m, d, s) for m, d, s in full_runs]
   accuracy_full = [(f"accuracy_full_{name}", [
