@@ -190,8 +190,8 @@ def build_parser(prog: str = "dlgs-train", description: str = "") -> argparse.Ar
   """Every flag, with ``SUPPRESS`` defaults: only the flags given appear in the namespace."""
   parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0],
                                    argument_default=argparse.SUPPRESS)
-  parser.add_argument("--config", help="a config file (JSON; or Python with get_config(), "
-                      "which runs as a program); flags override it")
+  parser.add_argument("--config", help="a JSON config file (a run's config.json, or any "
+                      "subset of its sections); flags override it")
   for flag in FLAGS:
     help_text = f"{flag.help} (default: {_default(flag)!r})"
     if flag.action:

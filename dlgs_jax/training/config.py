@@ -2,9 +2,8 @@
 
 `RunConfig` holds one section per concern (model, data, method, optimizer,
 schedule, planning, processes, checkpoints). It is what ``dlgs-train``'s flags
-turn into, what a config file holds (JSON, or a Python file whose
-``get_config()`` returns a `RunConfig`, as big_vision does), and what is written
-to the workdir as ``config.json``:
+turn into, what a config file holds (JSON: data, never code), and what is
+written to the workdir as ``config.json``; a program builds one in Python:
 
     config = RunConfig(model=ModelConfig("resnet20"),
                        method=method_config("dlgs-paper", density=0.01))
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 import math
 import typing
@@ -499,7 +497,9 @@ def check_used(config: RunConfig, given: Optional[dict[str, Any]] = None) -> Non
 
 
 def load_config(path: str) -> RunConfig:
-  """A config file: JSON (`RunConfig.to_dict`'s layout, any subset) or Python with ``get_config()``.
+  """A JSON config file (`RunConfig.to_dict`'s layout, any subset).
+
+  An input file is data: a Python file is refused, not run.
 
   Raises:
     ConfigError: for a file that cannot be read or holds no valid config.
@@ -508,14 +508,9 @@ def load_config(path: str) -> RunConfig:
   if not file.is_file():
     raise ConfigError("config", path, "no such file")
   if file.suffix == ".py":
-    spec = importlib.util.spec_from_file_location("dlgs_run_config", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = getattr(module, "get_config", lambda: None)()
-    if not isinstance(config, RunConfig):
-      raise ConfigError("config", path, "a Python config file defines get_config() returning "
-                        "a RunConfig")
-    return config
+    raise ConfigError("config", path, "a config file is JSON and a Python file would run "
+                      "code: build the RunConfig in your program and call "
+                      "dlgs_jax.training.loop.train(config)")
   try:
     data = json.loads(file.read_text())
   except json.JSONDecodeError as e:

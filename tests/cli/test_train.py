@@ -409,12 +409,11 @@ def test_flags_become_the_config_and_name_a_variant():
 def test_a_config_file_is_overridden_by_flags_and_written_to_the_workdir(tmp_path):
   base = train.config_from_args(["--model", "smallcnn", "--density", "0.05"])
   (tmp_path / "c.json").write_text(json.dumps(base.to_dict()))
-  (tmp_path / "c.py").write_text(
-      "from dlgs_jax.training.config import RunConfig, ModelConfig\n"
-      "def get_config():\n  return RunConfig(model=ModelConfig('vgg16'))\n")
+  (tmp_path / "c.py").write_text("def get_config():\n  raise SystemExit('ran')\n")
   config = train.config_from_args(["--config", str(tmp_path / "c.json"), "--density", "0.1"])
   assert config.model.name == "smallcnn" and config.method.density == 0.1
-  assert train.config_from_args(["--config", str(tmp_path / "c.py")]).model.name == "vgg16"
+  with pytest.raises(SystemExit, match="c.py' is invalid: a config file is JSON"):
+    train.config_from_args(["--config", str(tmp_path / "c.py")])
   (tmp_path / "bad.json").write_text('{"method": {"densty": 0.1}}')
   with pytest.raises(SystemExit, match=r"unknown options \('densty': did you mean 'density'\?\)"):
     train.config_from_args(["--config", str(tmp_path / "bad.json")])

@@ -44,10 +44,20 @@ def test_bad_runs_are_refused_naming_the_option(changes, option):
 def test_config_files_that_hold_no_config_are_refused(tmp_path):
   (tmp_path / "list.json").write_text("[1]")
   (tmp_path / "broken.json").write_text("{")
-  (tmp_path / "none.py").write_text("x = 1\n")
   for name, message in (("list.json", "object of sections"), ("broken.json", "not JSON"),
-                        ("none.py", "get_config"), ("missing.json", "no such file")):
+                        ("missing.json", "no such file")):
     with pytest.raises(ConfigError, match=message):
       load_config(str(tmp_path / name))
   with pytest.raises(ConfigError, match="unknown section"):
     RunConfig.from_dict({"optimiser": {}})
+
+
+def test_a_python_config_file_is_refused_without_running_it(tmp_path):
+  # An input file is data: the file below would leave a mark if it ran.
+  ran = tmp_path / "ran"
+  (tmp_path / "c.py").write_text(f"open({str(ran)!r}, 'w').close()\n"
+                                 "def get_config():\n  raise SystemExit('ran')\n")
+  with pytest.raises(ConfigError, match=r"c.py' is invalid: a config file is JSON and a Python "
+                     r"file would run code: .*dlgs_jax.training.loop.train\(config\)") as error:
+    load_config(str(tmp_path / "c.py"))
+  assert "\n" not in str(error.value) and not ran.exists()
