@@ -54,7 +54,7 @@ from dlgs_jax.compress.selection import num_to_keep
 from dlgs_jax.workload import models
 from dlgs_jax.compress.hierarchical import slice_shape
 from dlgs_jax.compress.rules import AdaptedReuse
-from dlgs_jax.compress.methods import configurations, density_free
+from dlgs_jax.compress.methods import base_method, configurations, density_free
 from dlgs_jax.training.bench.benchmark import exchange_of
 
 HERE = Path(__file__).resolve().parent
@@ -85,8 +85,9 @@ def parse_args(argv=None):
   parser.add_argument("--data-dir", help="full CIFAR-10 (cifar-10-batches-bin/ or -py/); default: the "
                       "embedded subset")
   parser.add_argument("--plan-dir", help="train with bench_cluster.py's plans from this directory "
-                      "(plan_<model>_<method>_<density>.json, where one exists): the planned "
-                      "groups instead of one group per leaf")
+                      "(plan_<model>_<method>_<density>.json, where one exists; a variant "
+                      "without one takes its base method's): the planned groups instead of one "
+                      "group per leaf")
   parser.add_argument("--node-size", type=int, default=2,
                       help="devices per node of the methods named with @2l (two-level)")
   parser.add_argument("--quick", action="store_true", help="2 epochs, dense and dlgs at 0.1")
@@ -153,6 +154,9 @@ def train_command(args, name, density, seed, workdir):
     from dlgs_jax.planning.pricing import plan_file
 
     plan = plan_file(args.plan_dir, args.model, name, density)
+    if not plan.exists():  # a variant groups its messages as its base method does
+      plan = plan_file(args.plan_dir, args.model, name.replace(method, base_method(method), 1),
+                       density)
     if plan.exists():
       command += ["--plan", str(plan)]
   return command

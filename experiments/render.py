@@ -582,12 +582,12 @@ def threshold_rules() -> str:
   rules = _load(RESULTS / "accuracy_thresholds" / "results.json")["results"]
   planned = _load(RESULTS / "accuracy_planned" / "results.json")["results"]
   runs = {(r["method"], r["density"], r["seed"]): r["summary"] for r in rules}
-  runs.update({("dlgs", r["density"], r["seed"]): r["summary"] for r in planned})
+  runs.update({("dlgs-layer", r["density"], r["seed"]): r["summary"] for r in planned})
   lines = ["| density | rule | groups | final accuracy | − refresh rule, paired | exact, leaves "
            "| exact, values | sent / k |", "|---|---|---|---|---|---|---|---|"]
   for density in (0.1, 0.01):
     refresh = {s: x for (m, d, s), x in runs.items() if m == "dlgs-refresh" and d == density}
-    for method, label, groups in (("dlgs", "adapted, per layer", "one"),
+    for method, label, groups in (("dlgs-layer", "adapted, per layer", "one"),
                                   ("dlgs-refresh", "refresh rule", "per leaf"),
                                   ("dlgs-paper", "paper's rule", "per leaf")):
       seeds = {s: x for (m, d, s), x in runs.items() if m == method and d == density}
@@ -601,7 +601,7 @@ def threshold_rules() -> str:
       stats = [x["threshold_stats"] for x in seeds.values() if x.get("threshold_stats")]
       leaves = _share_range([t["exact_share"] for t in stats])
       # The paper's rule recomputes every leaf on the same step: its values share is its leaves'.
-      values = ([t["exact_values_share"] for t in stats] if method == "dlgs"
+      values = ([t["exact_values_share"] for t in stats] if method == "dlgs-layer"
                 else [t["exact_share"] for t in stats] if method == "dlgs-paper" else [])
       shown = f"{100 * statistics.mean(values):.1f}%" if values else "-"
       sent = statistics.mean(t["sent_over_k_mean"] for t in stats)

@@ -185,10 +185,10 @@ def full_steps() -> list[tuple[str, list[str]]]:
           e + "accuracy.py", "--methods", "dlgs-adapt,dlgs-refresh,dlgs-paper", "--densities",
           "0.1,0.01", "--seeds", str(seed), "--out-dir",
           f"runs/acc_select_seed{seed}", "--runs-dir", "runs/acc_select"]) for seed in range(3)],
-      ("accuracy_planned", [e + "accuracy.py", "--methods", "dlgs", "--densities", "0.1,0.01",
+      ("accuracy_planned", [e + "accuracy.py", "--methods", "dlgs-layer", "--densities", "0.1,0.01",
                             "--seeds", "0,1,2", "--plan-dir", r + "cluster", "--runs-dir",
                             "runs/acc_planned", "--out-dir", r + "accuracy_planned"]),
-      ("accuracy_nodes", [e + "accuracy.py", "--methods", "dense,dlgs,dlgs@2l", "--densities",
+      ("accuracy_nodes", [e + "accuracy.py", "--methods", "dense,dlgs-layer,dlgs-layer@2l", "--densities",
                           "0.1", "--seeds", "0,1,2", "--node-size", "2", "--runs-dir",
                           "runs/acc_nodes", "--out-dir", r + "accuracy_nodes"]),
       ("accuracy_thresholds", [e + "accuracy.py", "--merge", ",".join(

@@ -382,6 +382,14 @@ def test_accuracy_trains_with_the_planned_groups_where_a_plan_exists(tmp_path):
   assert "--plan" not in accuracy.train_command(args, "dlgs", 0.1, 0, tmp_path / "run")
   assert "--plan" not in accuracy.train_command(accuracy.parse_args([]), "dlgs", 0.01, 0,
                                                 tmp_path / "run")
+  # A variant without a plan of its own groups as its base method; one with its own takes it.
+  layer = accuracy.train_command(args, "dlgs-layer", 0.01, 0, tmp_path / "run")
+  assert layer[layer.index("--plan") + 1] == str(tmp_path / "plan_resnet20_dlgs_0.01.json")
+  assert "--budget" in layer
+  (tmp_path / "plan_resnet20_dlgs-spend_0.01.json").write_text("{}")
+  spend = accuracy.train_command(args, "dlgs-spend", 0.01, 0, tmp_path / "run")
+  assert spend[spend.index("--plan") + 1] == str(tmp_path / "plan_resnet20_dlgs-spend_0.01.json")
+  assert "--plan" not in accuracy.train_command(args, "topk", 0.01, 0, tmp_path / "run")
 
 
 def test_accuracy_trains_a_name_with_2l_in_two_levels_and_counts_its_slices_k(tmp_path):
