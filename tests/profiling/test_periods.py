@@ -57,3 +57,21 @@ def test_a_result_is_written_whole_and_names_its_machine(tmp_path):
   saved = json.loads(out.read_text())
   assert saved["rows"] == [1] and saved["machine"]["backend"] == jax.default_backend()
   assert not list(out.parent.glob("*.tmp"))
+
+
+def test_a_result_names_the_allocator_settings_it_ran_under(tmp_path, monkeypatch):
+  # On CPU an update's time is mostly first touches of fresh pages: the
+  # record names the huge page mode and glibc's settings from the environment.
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+  monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+  found = records.machine()
+  assert found["allocator_env"] == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+                                    "MALLOC_MMAP_MAX_": "0"}
+  assert found["cores"] >= 1
+  modes = tmp_path / "enabled"
+  modes.write_text("always [madvise] never\n")
+  assert records.huge_page_mode(str(modes)) == "madvise"
+  modes.write_text("[always] madvise never\n")
+  assert records.huge_page_mode(str(modes)) == "always"
+  assert records.huge_page_mode(str(tmp_path / "missing")) is None
+  assert found["transparent_hugepages"] == records.huge_page_mode()
