@@ -440,9 +440,9 @@ def full_cifar() -> str:
   return "\n".join(lines)
 
 
-def cpu_floor() -> str:
+def cpu_floor(name: str = "cpu_flat") -> str:
   """Each update's ms and its median ratio to the memory floor on one CPU core, DLGS over LAGS."""
-  rows = _load(RESULTS / "gpu_check" / "cpu_flat.json")["rows"]
+  rows = _load(RESULTS / "gpu_check" / f"{name}.json")["rows"]
   found = {(r["model"], _per_layer(r["method"]), r["grouping"]): r for r in rows}
   cell = lambda r: f"{r['update_ms']:.1f} / {r['over_floor']:.1f}x" if r else ""  # noqa: E731
   dlgs = [m for m in ("dlgs-message", "dlgs-paper", "dlgs-layer")
@@ -657,6 +657,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "owners-accuracy": owners_accuracy,
     "full-cifar": full_cifar,
     "cpu-floor": cpu_floor,
+    "cpu-floor-small-pages": lambda: cpu_floor("cpu_flat_small_pages"),
+    "cpu-floor-huge-pages": lambda: cpu_floor("cpu_flat_huge_pages"),
     "timeline-check": timeline_check,
     "h200-update": h200_update,
     "nodes-measured": nodes_measured,
