@@ -218,3 +218,20 @@ def smallcnn_plan(workers, fast_size=1):
       comm={"allgather": LinearCost(1e-3, 1e-9)}, source="test")
   fast = LinearCost(1e-5, 1e-10) if fast_size > 1 else None
   return planner.make_plan(profile, "dlgs", 0.05, "optimal", fast_size=fast_size, fast_link=fast)
+
+
+def adapted_threshold(x, previous, k, rule):
+  """NumPy: `rule`'s (an `AdaptedReuse`) threshold for leaf `x`, re-aimed from `previous`.
+
+  Linear between the two candidates whose counts bracket ``rule.target * k``
+  (a leaf's values passing ``|x| >= t``, nonzero, plus one half).
+  """
+  factors = rule.factors()
+  counts = np.array([np.sum((np.abs(x) >= t) & (x != 0))
+                     for t in np.float32(previous) * factors]) + 0.5
+  target = rule.target * k
+  lo = min(max(int(np.sum(counts > target)) - 1, 0), len(factors) - 2)
+  rise = counts[lo] - target
+  span = counts[lo] - counts[lo + 1]
+  part = min(max(rise / span if span > 0 else float(rise > 0), 0.0), 1.0)
+  return previous * (factors[lo] + part * (factors[lo + 1] - factors[lo]))

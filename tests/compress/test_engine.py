@@ -8,6 +8,7 @@ import pytest
 
 from dlgs_jax.compress import engine
 from dlgs_jax.compress import rules
+from tests.helpers import adapted_threshold
 
 DENSITY = 0.1
 # Leaves of one group: k = 500, 30, 7 and 2 values; all counted exactly (stride 1);
@@ -49,19 +50,6 @@ def kth_largest(x, k):
   return np.sort(np.abs(x))[::-1][k - 1]
 
 
-def adapted_reference(x, previous, k, candidates, refresh_below):
-  """NumPy: the threshold interpolated linearly between the candidates that bracket 0.9 k."""
-  factors = rules.AdaptedReuse(candidates=candidates).factors()
-  trials = np.float32(previous) * factors
-  counts = np.array([passing(x, t) for t in trials]) + 0.5
-  target = max(0.9, refresh_below) * k
-  lo = min(max(int(np.sum(counts > target)) - 1, 0), len(factors) - 2)
-  rise = counts[lo] - target
-  span = counts[lo] - counts[lo + 1]
-  part = min(max(rise / span if span > 0 else float(rise > 0), 0.0), 1.0)
-  return previous * (factors[lo] + part * (factors[lo + 1] - factors[lo]))
-
-
 @pytest.mark.slow
 def test_adapted_thresholds_and_the_group_rule_match_numpy():
   # The previous thresholds are exact for another draw; this step's values are
@@ -80,7 +68,7 @@ def test_adapted_thresholds_and_the_group_rule_match_numpy():
     previous = np.array([kth_largest(x, k) for x, k in zip(old, ks)], np.float32)
     leaves = [(scale * rng.standard_normal(n)).astype(np.float32) for n in SIZES]
     got, exact = reuse_step(select, layout, leaves, previous)
-    want = [adapted_reference(x, p, k, 7, 0.5) if k >= rules.AdaptedReuse().exact_below_k
+    want = [adapted_threshold(x, p, k, rules.AdaptedReuse()) if k >= rules.AdaptedReuse().exact_below_k
             else kth_largest(x, k) for x, p, k in zip(leaves, previous, ks)]
     passed = np.array([passing(x, t) for x, t in zip(leaves, want)])
     redo = (np.minimum(passed, ks).sum() < math.ceil(0.5 * sum(ks))
@@ -128,7 +116,7 @@ def test_a_residual_piled_up_below_the_threshold_is_not_overshot():
   leaf = values * rng.choice([-1.0, 1.0], values.size).astype(np.float32)
   got, exact = reuse_step(select, layout, [leaf], np.array([1.0], np.float32))
   assert int(exact) == 0
-  np.testing.assert_allclose(got, [adapted_reference(leaf, 1.0, 100, 7, 0.5)], rtol=2e-6)
+  np.testing.assert_allclose(got, [adapted_threshold(leaf, 1.0, 100, rules.AdaptedReuse())], rtol=2e-6)
   assert 75 <= passing(leaf, got[0]) <= 105, passing(leaf, got[0])
 
 

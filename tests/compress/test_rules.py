@@ -6,6 +6,7 @@ import pytest
 import dlgs_jax
 from dlgs_jax.compress import rules
 from dlgs_jax.compress.methods import MethodConfig, method_config
+from tests.helpers import adapted_threshold
 
 
 @pytest.mark.parametrize("make,match", [
@@ -49,18 +50,6 @@ def test_the_adapted_target_is_the_aim_or_the_band_whichever_is_higher():
   assert rules.AdaptedReuse(below=0.95).target == 0.95
 
 
-def _aimed_reference(x, previous, k, rule):
-  """NumPy: the threshold interpolated between the candidates that bracket target * k."""
-  factors = rule.factors()
-  counts = np.array([np.sum((np.abs(x) >= t) & (x != 0))
-                     for t in np.float32(previous) * factors]) + 0.5
-  target = rule.target * k
-  lo = min(max(int(np.sum(counts > target)) - 1, 0), len(factors) - 2)
-  span = counts[lo] - counts[lo + 1]
-  part = np.clip((counts[lo] - target) / span if span > 0 else float(counts[lo] > target), 0, 1)
-  return previous * (factors[lo] + part * (factors[lo + 1] - factors[lo]))
-
-
 @pytest.mark.parametrize("aim", [0.9, 1.1])
 def test_reused_thresholds_are_re_aimed_at_the_aim_times_k(aim):
   # Leaves rescaled from the draw their previous thresholds were exact for:
@@ -81,7 +70,7 @@ def test_reused_thresholds_are_re_aimed_at_the_aim_times_k(aim):
 
   got = np.asarray(rule.propose(jnp.asarray(previous), ks=ks, whole=[False] * 3, count=count,
                                 sizes=sizes))
-  want = [_aimed_reference(x, p, k, rule) for x, p, k in zip(leaves, previous, ks)]
+  want = [adapted_threshold(x, p, k, rule) for x, p, k in zip(leaves, previous, ks)]
   np.testing.assert_allclose(got, want, rtol=2e-6)
   passed = [int(np.sum(np.abs(x) >= t)) for x, t in zip(leaves, got)]
   assert all(abs(p - aim * k) <= 0.1 * k + 1 for p, k in zip(passed, ks)), (passed, ks)
