@@ -53,8 +53,8 @@ def test_the_adapted_target_is_the_aim_or_the_band_whichever_is_higher():
 @pytest.mark.parametrize("aim", [0.9, 1.1])
 def test_reused_thresholds_are_re_aimed_at_the_aim_times_k(aim):
   # Leaves rescaled from the draw their previous thresholds were exact for:
-  # each new threshold is NumPy's interpolation at aim * k_l, and at aim 1 a
-  # leaf's threshold is lower than at 0.9: it passes about k_l, the whole budget.
+  # each new threshold is NumPy's interpolation at aim * k_l, and above 0.9
+  # every leaf's threshold is lower than at 0.9, so it passes more values.
   rule = rules.AdaptedReuse(aim=aim)
   rng = np.random.default_rng(1)
   sizes, ks, scales = [3000, 2000, 900], [60, 40, 20], [0.8, 1.0, 1.1]
