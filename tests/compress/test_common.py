@@ -1,9 +1,11 @@
 """What every transform shares: the tree check and the skip of non-finite steps."""
 
+import jax
 import numpy as np
 import pytest
 
 import dlgs_jax
+from dlgs_jax.compress import common
 from tests.helpers import flat_workers, run_steps
 
 PARAMS = {"a": np.zeros((8, 16), np.float32), "b": np.zeros((16,), np.float32)}
@@ -170,3 +172,15 @@ def test_a_forgotten_axis_name_under_shard_map_is_named_with_the_fix(name):
                      r"the transform was built with axis_name=None, so it would never "
                      r"communicate: build it with axis_name='data'"):
     jax.jit(fn)(PARAMS, grads)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, None])
+def test_all_finite_agrees_with_numpy_on_every_kind_of_value(bad):
+  """A NaN or an infinity anywhere in any leaf fails it; the largest finite values pass."""
+  rng = np.random.default_rng(0)
+  leaves = [rng.normal(size=(33, 7)).astype(np.float32), np.full((40,), 3.4e38, np.float32),
+            np.float32([-3.4e38, 1e-45, -0.0])]
+  if bad is not None:
+    leaves[0][5, 3] = bad
+  expected = all(np.all(np.isfinite(leaf)) for leaf in leaves)
+  assert bool(jax.jit(lambda xs: common.all_finite(xs, None))(leaves)) == expected
