@@ -461,12 +461,8 @@ def count_at(flat: jax.Array, segs: Segments, thresholds: jax.Array, strides: Se
   Returns:
     int32 [N, M].
   """
-  if len(leaves) == 1 and segs.sizes[leaves[0]] < _FLOAT_EXACT:
-    # One leaf: a strided slice compared and summed in one pass, no packing.
-    magnitude = jnp.abs(_strided(flat, segs, leaves[0], strides[0]))[:, None]
-    passing = (magnitude >= thresholds[0][None, :]) & (magnitude > 0)
-    counts = jnp.sum(passing, axis=0, dtype=jnp.float32).astype(jnp.int32)[None]
-    return counts * _int32(strides)[:, None]
+  # Packed even for one leaf: summing the M comparisons of every value directly
+  # made XLA:CPU write them out, M floats a value, for its reduction to read.
   samples, sample_segs = leaf_samples(flat, segs, leaves, strides)
   counts = passing_counts(pack(samples, thresholds, sample_segs), sample_segs)
   return counts * _int32(strides)[:, None]
