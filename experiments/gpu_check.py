@@ -62,6 +62,7 @@ import dlgs_jax
 from dlgs_jax.compress import segmented
 from dlgs_jax.profiling.periods import (checked_updates, compiled_update, schedule_period,
                                         step_gradients)
+from dlgs_jax.profiling import programs
 from dlgs_jax.profiling.records import machine, write_json
 from dlgs_jax.workload import losses, models
 
@@ -232,13 +233,16 @@ def whole_step_transforms(density: float, reuse_every: int) -> list[tuple[str, o
 
 def update_row(name, density, method, group, tx, gradients, floor, rounds) -> dict:
   """One method's update on one model and density, with its floor ratio and program counts."""
-  update, counts, _ = compiled_update(tx, gradients[0])
+  update, counts, hlo = compiled_update(tx, gradients[0])
+  values = sum(int(np.size(g)) for g in jax.tree_util.tree_leaves(gradients[0]))
   run, exact = schedule_period(tx, gradients, update=update)
   floor_s, update_s, ratio = paired_ratio(floor, run, rounds)
   steps = len(gradients)
   return {"model": name, "density": density, "method": method, "grouping": group,
           "update_ms": update_s / steps * 1e3, "floor_ms": floor_s / steps * 1e3,
-          "over_floor": ratio, "exact_leaves_per_step": exact, **counts}
+          "over_floor": ratio, "exact_leaves_per_step": exact, **counts,
+          # Over the model's float32 values, outside the conditional; the floor makes 4.
+          "passes": programs.memory_traffic(hlo) / (4 * values)}
 
 
 def with_bandwidth_floor(row: dict, params: int, bytes_per_s: float) -> dict:

@@ -3,7 +3,10 @@
 For the leaf shapes of VGG16 (CIFAR) and ResNet-50 at density 0.01, each
 transform's update (one worker, ``axis_name=None``) is lowered and compiled
 here, and its optimized HLO counted (`profiling.programs`): conditionals,
-sorts and top-k calls, loops, and the kernels a step launches. DLGS runs as the
+sorts and top-k calls, loops, the kernels a step launches, and the passes a
+step makes over the model's float32 values (`programs.memory_traffic`, outside
+the conditional, over 4 bytes a value: the floor pass makes 4, reading the
+gradient and the residual and writing the residual and the update). DLGS runs as the
 paper's (``FixedReuse(10)``, a threshold per layer), as the adapted rule with
 a threshold per layer (``dlgs-layer``) and as the default (the adapted rule,
 one threshold per message: ``dlgs``), with every leaf in one group and with
@@ -54,6 +57,7 @@ def transforms(params) -> dict:
 
 def measure(model: str, only=None) -> list[dict]:
   params = models.param_shapes(model)
+  values = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
   out = []
   for label, tx in transforms(params).items():
     if only and not any(word in label for word in only):
@@ -62,10 +66,13 @@ def measure(model: str, only=None) -> list[dict]:
     start = time.perf_counter()
     compiled = jax.jit(tx.update).lower(params, state).compile()
     seconds = time.perf_counter() - start
+    hlo = compiled.as_text()
     row = {"model": model, "method": label, "compile_s": round(seconds, 1),
-           **programs.count_hlo(compiled.as_text())}
+           **programs.count_hlo(hlo),
+           "passes": round(programs.memory_traffic(hlo) / (4 * values), 2)}
     print(f"{model:9s} {label:24s} compile {seconds:6.1f} s  cond {row['conditionals']}  "
-          f"sort+topk {row['sorts'] + row['top_k']}  kernels {row['kernels']}", flush=True)
+          f"sort+topk {row['sorts'] + row['top_k']}  kernels {row['kernels']}  "
+          f"passes {row['passes']}", flush=True)
     out.append(row)
   return out
 

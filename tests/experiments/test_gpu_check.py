@@ -63,6 +63,8 @@ def test_gpu_check_runs_every_method_on_cpu_and_writes_its_table(tmp_path, capsy
   assert rows[("dlgs-paper", "default")]["exact_leaves_per_step"] == model["leaves"] / 2
   for r in rows.values():  # the update against what memory allows
     assert r["bandwidth_floor_ms"] > 0 and r["over_bandwidth_floor"] > 0
+    # Every update reads the gradient and writes the update at least: dense's passes.
+    assert r["passes"] >= rows[("dense", "-")]["passes"] >= 2, r
   assert result["machine"]["copy_bytes_per_s"] > 0
   assert result["machine"]["exact_running_sums"] is True
   # The whole step: forward, backward and update in one program, against dense's.

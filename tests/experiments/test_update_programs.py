@@ -14,5 +14,9 @@ def test_dlgs_has_one_conditional_and_no_sort():
   for row in (dlgs, rows["dlgs-paper-message, buckets"]):
     assert row["conditionals"] == 1 and row["sorts"] == 0 and row["top_k"] == 0, row
   assert rows["dense"]["conditionals"] == 0
+  # Passes over the model's values: dense reads the gradient and writes the mean
+  # (and lays them out); DLGS adds the residual's read and write at least.
+  assert rows["dense"]["passes"] >= 2
+  assert dlgs["passes"] >= rows["dense"]["passes"] + 2
   table = census.table(list(rows.values()))
   assert f"| {dlgs['kernels']} | {dlgs['kernels'] - rows['dense']['kernels']} |" in table

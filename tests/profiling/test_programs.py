@@ -68,3 +68,36 @@ def test_dlgs_has_one_conditional_for_any_groups_and_lags_no_top_k():
   lags = programs.program_counts(dlgs_jax.lags(0.01).update, params(4),
                                  dlgs_jax.lags(0.01).init(params(4)))
   assert lags["top_k"] == lags["sorts"] == 0, lags
+
+
+N = 1 << 18
+
+
+def passes(fn, *args, **jit_args) -> float:
+  """`memory_traffic` of the compiled `fn` in passes over N float32 values."""
+  return programs.memory_traffic(jax.jit(fn, **jit_args).lower(*args).compile().as_text()) / (4 * N)
+
+
+def test_memory_traffic_counts_reads_and_writes_of_each_kernel():
+  x, y = jnp.ones(N), jnp.ones(N)
+  assert passes(lambda a, b: a + b, x, y) == 3.0           # two reads, one write
+  assert passes(lambda a, b: jnp.concatenate([a, b]), x, y) == 4.0
+  assert passes(lambda a: a[:N // 2] * 2, x) == 1.0         # half read, half written
+  assert passes(lambda a: a.sum(), x) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_memory_traffic_counts_what_a_scatter_or_gather_touches():
+  x, at = jnp.ones(N), jnp.arange(64)
+  # In place into a donated buffer: the 64 values and their indices, not the buffer.
+  assert passes(lambda a, i: a.at[i].set(0.0), x, at, donate_argnums=0) < 1e-2
+  # Into zeros: the zeros written once.
+  assert passes(lambda i: jnp.zeros(N).at[i].add(1.0), at) == pytest.approx(1.0, abs=1e-2)
+  assert passes(lambda a, i: a[i], x, at) < 1e-2
+
+
+def test_traffic_by_kernel_itemizes_the_total():
+  hlo = jax.jit(lambda a, b: (jnp.concatenate([a, b]) * 2).sum()).lower(
+      jnp.ones(N), jnp.ones(N)).compile().as_text()
+  items = programs.traffic_by_kernel(hlo)
+  assert sum(moved for _, _, moved in items) == programs.memory_traffic(hlo)
+  assert all(op not in ("parameter", "constant", "tuple") for _, op, _ in items)
