@@ -235,6 +235,26 @@ def update_kernels() -> str:
   return "\n".join(lines)
 
 
+def update_passes() -> str:
+  """Passes a compiled update makes over the model's float32 values, outside its conditional."""
+  run = _load(RESULTS / "update_programs" / "cpu_passes.json")
+  columns = [("dense", "dense"), ("topk", "Top-k"), ("lags", "LAGS"),
+             ("dlgs", "`dlgs`"), ("dlgs-paper", "`dlgs-paper`"), ("dlgs-layer", "`dlgs-layer`")]
+  lines = ["| model | grouping | " + " | ".join(name for _, name in columns) + " |",
+           "|---" * (2 + len(columns)) + "|"]
+  for model in dict.fromkeys(row["model"] for row in run["rows"]):
+    rows = {row["method"]: row for row in run["rows"] if row["model"] == model}
+    name = MODELS[model].split(" (")[0]
+    for grouping in ("one group", "buckets"):
+      cells = [name, grouping]
+      for method, _ in columns:
+        row = rows.get(f"{method}, {grouping}") or (rows.get(method) if grouping == "one group"
+                                                     else None)
+        cells.append(f"{row['passes']:.1f}" if row else "")
+      lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def demo_presets() -> str:
   """The demo's preset and its variants: accuracy, the gap to dense of as many epochs, bytes."""
   runs = _load(RESULTS / "demo_presets" / "runs.json")["runs"]
@@ -646,6 +666,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "demo-presets": demo_presets,
     "demo-budget": demo_budget,
     "update-kernels": update_kernels,
+    "update-passes": update_passes,
     "cluster-speedups": speedups,
     "cluster-speedups-commands": lambda: speedups(commands=True),
     "cluster-report": cluster_report,
