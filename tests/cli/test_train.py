@@ -630,6 +630,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_bit_for_bit(tmp
   args = [*PLUMBING, "--local-devices", "2", "--steps", "10", "--checkpoint-every", "2",
           "--check-every", "0"]
   whole = run_cli([*args, "--workdir", str(tmp_path / "whole")])
+  assert whole.returncode == 0, whole.stderr[-3000:]
   parts = run_cli([*args, "--workdir", str(tmp_path / "parts"), "--stop-after", "6"])
   assert parts.returncode == 0, parts.stderr[-3000:]
   files = [p for p in (tmp_path / "parts" / "checkpoints" / "6" / "state").rglob("*")
