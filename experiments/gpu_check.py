@@ -60,9 +60,9 @@ import numpy as np
 
 import dlgs_jax
 from dlgs_jax.compress import segmented
+from dlgs_jax.profiling import programs
 from dlgs_jax.profiling.periods import (checked_updates, compiled_update, schedule_period,
                                         step_gradients)
-from dlgs_jax.profiling import programs
 from dlgs_jax.profiling.records import machine, write_json
 from dlgs_jax.workload import losses, models
 
@@ -241,8 +241,7 @@ def update_row(name, density, method, group, tx, gradients, floor, rounds) -> di
   return {"model": name, "density": density, "method": method, "grouping": group,
           "update_ms": update_s / steps * 1e3, "floor_ms": floor_s / steps * 1e3,
           "over_floor": ratio, "exact_leaves_per_step": exact, **counts,
-          # Over the model's float32 values, outside the conditional; the floor makes 4.
-          "passes": programs.memory_traffic(hlo) / (4 * values)}
+          "passes": programs.memory_passes(hlo, values)}
 
 
 def with_bandwidth_floor(row: dict, params: int, bytes_per_s: float) -> dict:

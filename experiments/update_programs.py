@@ -4,9 +4,9 @@ For the leaf shapes of VGG16 (CIFAR) and ResNet-50 at density 0.01, each
 transform's update (one worker, ``axis_name=None``) is lowered and compiled
 here, and its optimized HLO counted (`profiling.programs`): conditionals,
 sorts and top-k calls, loops, the kernels a step launches, and the passes a
-step makes over the model's float32 values (`programs.memory_traffic`, outside
-the conditional, over 4 bytes a value: the floor pass makes 4, reading the
-gradient and the residual and writing the residual and the update). DLGS runs as the
+step makes over the model's float32 values outside the conditional
+(`programs.memory_passes`: the floor pass makes 4, reading the gradient and the
+residual and writing the residual and the update). DLGS runs as the
 paper's (``FixedReuse(10)``, a threshold per layer), as the adapted rule with
 a threshold per layer (``dlgs-layer``) and as the default (the adapted rule,
 one threshold per message: ``dlgs``), with every leaf in one group and with
@@ -69,7 +69,7 @@ def measure(model: str, only=None) -> list[dict]:
     hlo = compiled.as_text()
     row = {"model": model, "method": label, "compile_s": round(seconds, 1),
            **programs.count_hlo(hlo),
-           "passes": round(programs.memory_traffic(hlo) / (4 * values), 2)}
+           "passes": round(programs.memory_passes(hlo, values), 2)}
     print(f"{model:9s} {label:24s} compile {seconds:6.1f} s  cond {row['conditionals']}  "
           f"sort+topk {row['sorts'] + row['top_k']}  kernels {row['kernels']}  "
           f"passes {row['passes']}", flush=True)

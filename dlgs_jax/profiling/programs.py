@@ -106,7 +106,6 @@ def program_counts(fn: Callable, *args) -> dict[str, int]:
   return count_hlo(jax.jit(fn).lower(*args).compile().as_text())
 
 
-
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
@@ -195,6 +194,11 @@ def memory_traffic(hlo: str) -> int:
   makes when divided by its bytes (`traffic_by_kernel` itemizes it).
   """
   return sum(moved for _, _, moved in traffic_by_kernel(hlo))
+
+
+def memory_passes(hlo: str, values: int) -> float:
+  """`memory_traffic` as passes over `values` float32 values (a model's: the floor pass makes 4)."""
+  return memory_traffic(hlo) / (4 * values)
 
 
 def traffic_by_kernel(hlo: str) -> list[tuple[str, str, int]]:

@@ -74,8 +74,8 @@ N = 1 << 18
 
 
 def passes(fn, *args, **jit_args) -> float:
-  """`memory_traffic` of the compiled `fn` in passes over N float32 values."""
-  return programs.memory_traffic(jax.jit(fn, **jit_args).lower(*args).compile().as_text()) / (4 * N)
+  """`memory_passes` of the compiled `fn` over N float32 values."""
+  return programs.memory_passes(jax.jit(fn, **jit_args).lower(*args).compile().as_text(), N)
 
 
 def test_memory_traffic_counts_reads_and_writes_of_each_kernel():
