@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import render  # noqa: E402  pylint: disable=g-import-not-at-top
+import tables_accuracy  # noqa: E402  pylint: disable=g-import-not-at-top
+import tables_cluster  # noqa: E402  pylint: disable=g-import-not-at-top
+import tables_common  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 def test_every_rendered_table_matches_its_json(capsys):
@@ -37,12 +40,12 @@ def test_a_number_edited_by_hand_is_found_and_rendered_back():
 
 
 def test_the_cluster_cells_come_from_the_summary_of_the_run():
-  main, _ = render.cluster_runs("vgg16", "100mbit")
+  main, _ = tables_cluster.cluster_runs("vgg16", "100mbit")
   # The per-layer DLGS of a job that ran it as "dlgs", named as it is now.
   speedup = next(row["speedup"] for row in main["summary"] if row["method"] == "dlgs-layer")
-  row = next(line for line in render.speedups().split("\n")
+  row = next(line for line in tables_cluster.speedups().split("\n")
              if line.startswith("| VGG16 | 100 Mbit/s"))
-  column = [name for _, name in render.SPARSE].index("DLGS per layer")
+  column = [name for _, name in tables_cluster.SPARSE].index("DLGS per layer")
   assert f"{speedup:.2f}x" == row.split(" | ")[2 + column].strip("*")
 
 
@@ -67,8 +70,8 @@ def test_the_owners_gap_names_the_code_of_each_run_when_they_differ(monkeypatch)
     def load(path):
       return ({"runs": []} if path.name == "demo_accuracy.json"
               else table(owners_code, dlgs_code))
-    monkeypatch.setattr(render, "_load", load)
-    return render.owners_accuracy().split("\n")[-1]
+    monkeypatch.setattr(tables_accuracy, "load", load)
+    return tables_accuracy.owners_accuracy().split("\n")[-1]
 
   same = rendered(["abc1234"], ["abc1234"])
   assert "paired gap -0.40 points) | 89.00%" in same and "trained at" not in same
@@ -85,8 +88,8 @@ def test_a_cluster_job_names_its_per_layer_dlgs_by_the_budget_it_recorded():
             "wins": {"dlgs": {"topk": 3}, "topk": {"dlgs": 1}}}
 
   for budget in (None, "layer"):  # jobs before budgets were recorded ran a threshold per layer
-    named = render._budget_named(job(budget))
+    named = tables_common.budget_named(job(budget))
     assert set(named["methods"]) == {"dlgs-layer", "topk"}
     assert [row["method"] for row in named["summary"]] == ["dlgs-layer", "topk"]
     assert named["wins"] == {"dlgs-layer": {"topk": 3}, "topk": {"dlgs-layer": 1}}
-  assert render._budget_named(job("message")) == job("message")
+  assert tables_common.budget_named(job("message")) == job("message")
