@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name):
+  # As `python experiments/NAME.py` runs it: beside the scripts it imports.
+  if str(ROOT / "experiments") not in sys.path:
+    sys.path.insert(0, str(ROOT / "experiments"))
   spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -200,7 +203,7 @@ def test_accuracy_writes_no_table_for_a_run_a_stop_ends_early(tmp_path, monkeypa
 
 
 def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
-  accuracy = load("accuracy")
+  report = load("accuracy_report")
 
   def run(method, density, seed, final):
     return {"method": method, "density": density, "seed": seed,
@@ -213,7 +216,7 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
   dense, sparse = [0.70, 0.74, 0.72], [0.69, 0.71, 0.73]
   results = ([run("dense", None, seed, a) for seed, a in enumerate(dense)]
              + [run("dlgs", 0.1, seed, a) for seed, a in enumerate(sparse)])
-  rows = accuracy.markdown(results).splitlines()
+  rows = report.markdown(results).splitlines()
   assert len(rows) == 4
   gaps = np.subtract(sparse, dense) * 100
   cells = [c.strip() for c in rows[3].strip("|").split("|")]
@@ -225,14 +228,14 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
   assert cells[9] == f"{np.mean([0.4, 0.5, 0.9]):.3f}"  # the median step times' mean
   # A configuration with a seed dense lacks: its value alone where one seed, and the
   # gap over the seeds dense ran, named.
-  rows = accuracy.markdown(results[:1] + results[3:]).splitlines()
+  rows = report.markdown(results[:1] + results[3:]).splitlines()
   cells = [c.strip() for c in rows[2].strip("|").split("|")]
   assert cells[:4] == ["dense", "-", "0", "70.0%"]
   cells = [c.strip() for c in rows[3].strip("|").split("|")]
   assert cells[3] == f"{np.mean(sparse) * 100:.1f} ± {np.std(np.multiply(sparse, 100), ddof=1):.1f}%"
   assert cells[5] == f"{gaps[0]:+.1f} (seed 0 only)"
   # One seed keeps the per-run table.
-  assert "seeds" not in accuracy.markdown([results[0], results[3]]).splitlines()[0]
+  assert "seeds" not in report.markdown([results[0], results[3]]).splitlines()[0]
 
 
 def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
@@ -250,7 +253,7 @@ def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
   # dlgs at two densities: each dlgs-paper run pairs with dlgs of its own density.
   results = [run(m, d, seed) for seed in (0, 1) for m, d in
              (("dense", None), ("dlgs", 0.1), ("dlgs", 0.01), ("dlgs-paper", 0.1))]
-  table = accuracy.markdown_paired_gaps(results, base="dlgs", only=("dlgs-paper",))
+  table = load("accuracy_report").markdown_paired_gaps(results, base="dlgs", only=("dlgs-paper",))
   rows = table.splitlines()[2:]
   assert len(rows) == 3 and all(r.startswith("| dlgs-paper − dlgs | 0.1 |") for r in rows)
   gaps = [curves["dlgs-paper", 0.1, s][-1] - curves["dlgs", 0.1, s][-1] for s in (0, 1)]
@@ -260,7 +263,7 @@ def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
           for s in (0, 1)]
   assert f"{tail[0]:+.2f} / {tail[1]:+.2f}" in rows[1]
   # One seed: the gap without a spread.
-  one = accuracy.markdown_paired_gaps(results[:4], base="dlgs", only=("dlgs-paper",))
+  one = load("accuracy_report").markdown_paired_gaps(results[:4], base="dlgs", only=("dlgs-paper",))
   assert one.splitlines()[2].endswith(f"| {gaps[0]:+.2f} | {gaps[0]:+.2f} (one seed) |")
 
   meta = {"model": "resnet20", "workers": 4, "epochs": 10, "batch_size": 32, "lr": 0.1,
