@@ -36,7 +36,7 @@ def update_kernels() -> str:
 
 def update_passes() -> str:
   """Passes a compiled update makes over the model's float32 values, outside its conditional."""
-  run = load(RESULTS / "update_programs" / "cpu_passes.json")
+  run = load(RESULTS / "update_programs" / "cpu.json")
   columns = [("dense", "dense"), ("topk", "Top-k"), ("lags", "LAGS"),
              ("dlgs", "`dlgs`"), ("dlgs-paper", "`dlgs-paper`"), ("dlgs-layer", "`dlgs-layer`")]
   lines = ["| model | grouping | " + " | ".join(name for _, name in columns) + " |",
