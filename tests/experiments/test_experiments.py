@@ -239,7 +239,7 @@ def test_accuracy_table_over_seeds_gives_mean_spread_and_paired_gap():
 
 
 def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
-  accuracy = load("accuracy")
+  accuracy, report = load("accuracy"), load("accuracy_report")
   rng = np.random.default_rng(1)
   curves = {}
 
@@ -253,7 +253,7 @@ def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
   # dlgs at two densities: each dlgs-paper run pairs with dlgs of its own density.
   results = [run(m, d, seed) for seed in (0, 1) for m, d in
              (("dense", None), ("dlgs", 0.1), ("dlgs", 0.01), ("dlgs-paper", 0.1))]
-  table = load("accuracy_report").markdown_paired_gaps(results, base="dlgs", only=("dlgs-paper",))
+  table = report.markdown_paired_gaps(results, base="dlgs", only=("dlgs-paper",))
   rows = table.splitlines()[2:]
   assert len(rows) == 3 and all(r.startswith("| dlgs-paper − dlgs | 0.1 |") for r in rows)
   gaps = [curves["dlgs-paper", 0.1, s][-1] - curves["dlgs", 0.1, s][-1] for s in (0, 1)]
@@ -263,7 +263,7 @@ def test_accuracy_versus_pairs_two_methods_by_seed_and_density(tmp_path):
           for s in (0, 1)]
   assert f"{tail[0]:+.2f} / {tail[1]:+.2f}" in rows[1]
   # One seed: the gap without a spread.
-  one = load("accuracy_report").markdown_paired_gaps(results[:4], base="dlgs", only=("dlgs-paper",))
+  one = report.markdown_paired_gaps(results[:4], base="dlgs", only=("dlgs-paper",))
   assert one.splitlines()[2].endswith(f"| {gaps[0]:+.2f} | {gaps[0]:+.2f} (one seed) |")
 
   meta = {"model": "resnet20", "workers": 4, "epochs": 10, "batch_size": 32, "lr": 0.1,
