@@ -56,7 +56,7 @@ def threshold_step(layout, select, reuse_every):
 
   @jax.jit
   def step(leaves, thresholds, count):
-    flats = [layout.lay_out(g, leaves) for g in range(len(layout.groups))]
+    flats = [engine.Summed(layout.lay_out(g, leaves), None) for g in range(len(layout.groups))]
     picked = [engine.pick(select, layout, g, flat, t)
               for g, (flat, t) in enumerate(zip(flats, thresholds))]
     kept, _ = engine.settle(select, layout, flats, picked, thresholds,
@@ -88,7 +88,7 @@ def make_selectors(params, density, reuse_every, grouped, candidates):
 
   @jax.jit
   def lags_step(leaves):
-    return [engine.pick(lags, layout, g, layout.lay_out(g, leaves)).positions
+    return [engine.pick(lags, layout, g, engine.Summed(layout.lay_out(g, leaves), None)).positions
             for g in range(len(layout.groups))]
 
   whole = engine.make_layout(params, None, None, single_group=True)
@@ -96,7 +96,7 @@ def make_selectors(params, density, reuse_every, grouped, candidates):
 
   @jax.jit
   def topk_step(leaves):
-    return engine.pick(topk, whole, 0, whole.lay_out(0, leaves)).positions
+    return engine.pick(topk, whole, 0, engine.Summed(whole.lay_out(0, leaves), None)).positions
 
   return dlgs_step, paper_step, lags_step, topk_step, initial_thresholds(select, layout)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -284,9 +284,59 @@ def split_flat(layout: Layout, group: int, flat: jax.Array) -> dict[int, jax.Arr
   return out
 
 
+class Summed(NamedTuple):
+  """g = e + grad of one group in its flat buffer (Algorithm 1, line 4), kept as its two terms.
+
+  Each pass that reads g adds the terms itself, so XLA fuses the sum into the
+  pass (the reuse step's selection reads e and the gradient once and writes
+  nothing their size), and the new residual is the old one plus the gradient
+  -- or plus nothing, on a skipped step -- which XLA writes over the old one in
+  place when the state is donated. Written out, g was one more buffer of the
+  model's size, and keeping the old residual on a skipped step a select over it.
+  """
+  residual: jax.Array          # [buffer], the residuals' dtype: e
+  laid: Optional[jax.Array]    # [buffer], the residuals' dtype: the gradient laid out; None: `residual` is g whole
+
+  @property
+  def length(self) -> int:
+    return self.residual.shape[0]
+
+  def total(self) -> jax.Array:
+    """g, float32 [buffer], summed in the residuals' dtype as the residual keeps it."""
+    if self.laid is None:
+      return self.residual.astype(jnp.float32)
+    return (self.residual + self.laid).astype(jnp.float32)
+
+  def at(self, positions: jax.Array) -> jax.Array:
+    """g at `positions` (float32; 0 at the sentinel, the buffer's length)."""
+    take = lambda x: x.at[positions].get(mode="fill", fill_value=0)
+    if self.laid is None:
+      return take(self.residual).astype(jnp.float32)
+    return (take(self.residual) + take(self.laid)).astype(jnp.float32)
+
+  def samples(self, segs: segmented.Segments, leaves: Sequence[int], strides: Sequence[int]
+              ) -> tuple[jax.Array, segmented.Segments]:
+    """`segmented.leaf_samples` of g (float32), summed from each term's samples."""
+    taken, sample_segs = segmented.leaf_samples(self.residual, segs, leaves, strides)
+    if self.laid is not None:
+      taken = taken + segmented.leaf_samples(self.laid, segs, leaves, strides)[0]
+    return taken.astype(jnp.float32), sample_segs
+
+  def kept(self, applied: Optional[jax.Array]) -> jax.Array:
+    """g where the step is `applied` (None: always), e bit for bit where not (float32)."""
+    if applied is None:
+      return self.total()
+    if self.laid is None:
+      raise ValueError("a skipped step keeps the old residual: give Summed its two terms")
+    # x + -0.0 is x for every x, the sign of a zero included (a subnormal x where
+    # the backend keeps subnormals: XLA:CPU flushes them, so no sum of its leaves one
+    # in a residual).
+    return (self.residual + jnp.where(applied, self.laid, -0.0)).astype(jnp.float32)
+
+
 def accumulate(layout: Layout, group: int, residual: jax.Array,
-               grads: Sequence[jax.Array]) -> jax.Array:
-  """g = e + grad of a group, float32 in its flat buffer (Algorithm 1, line 4).
+               grads: Sequence[jax.Array]) -> Summed:
+  """g = e + grad of a group in its flat buffer, as its two terms (Algorithm 1, line 4).
 
   Args:
     layout: the static layout.
@@ -296,11 +346,10 @@ def accumulate(layout: Layout, group: int, residual: jax.Array,
 
   The sum is taken in the residuals' dtype, as the residual keeps it.
   """
-  laid = layout.lay_out(group, grads).astype(residual.dtype)
-  return (residual + laid).astype(jnp.float32)
+  return Summed(residual, layout.lay_out(group, grads).astype(residual.dtype))
 
 
-def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
+def propose(select: Selection, layout: Layout, group: int, summed: Summed,
             previous: jax.Array) -> jax.Array:
   """H_l of a group's leaves for this step, as ``select.rule`` proposes from the last ones.
 
@@ -312,15 +361,15 @@ def propose(select: Selection, layout: Layout, group: int, flat: jax.Array,
     select: the "threshold" selection.
     layout: the static layout.
     group: the group.
-    flat: g = residual + gradient of the group, laid out in its buffer.
+    summed: g = residual + gradient of the group (`accumulate`).
     previous: float32 [S], the group's thresholds of the last step, one per segment.
   """
   segs = select.segments(layout, group)
   ks, whole = select.ks(layout, group), select.whole(layout, group)
   return select.rule.propose(
       previous, ks=ks, whole=whole,
-      count=lambda trials, strides, leaves: segmented.count_at(flat, segs, trials, strides,
-                                                               leaves),
+      count=lambda trials, strides, leaves: segmented.count_samples(
+          *summed.samples(segs, leaves, strides), trials, strides),
       sizes=segs.sizes)
 
 
@@ -335,7 +384,7 @@ def initial_thresholds(select: Selection, layout: Layout, group: int) -> jax.Arr
   return jnp.zeros((len(select.ks(layout, group)),), jnp.float32)
 
 
-def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
+def settle(select: Selection, layout: Layout, accumulated: Sequence[Summed],
            picked: Sequence["Picked"], previous: Sequence[jax.Array], recompute: jax.Array
            ) -> tuple[list[jax.Array], jax.Array]:
   """The thresholds every group keeps for the next step: exact where due, else the proposals.
@@ -353,7 +402,7 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
   Args:
     select: the "threshold" selection.
     layout: the static layout.
-    accumulated: per group, g = residual + gradient laid out in its buffer.
+    accumulated: per group, g = residual + gradient (`accumulate`).
     picked: per group, what `pick` chose with the proposal.
     previous: per group, float32 [S], the thresholds this step started from,
       one per segment (`Selection.segments`: a leaf, or the whole message).
@@ -382,13 +431,13 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
     counted = counted + (jnp.where(redo[-1], sum(sparse), sum(few[g]))
                          * per_segment).astype(jnp.int32)
 
-  def everything(flats, leaves):
+  def everything(summed, leaves):
     """Exact thresholds of the listed leaves of every group, in one select (flat, in order)."""
     parts, sizes, kept = [], [], []
-    for g, flat in enumerate(flats):
+    for g, terms in enumerate(summed):
       if leaves[g]:
-        samples, segs = segmented.leaf_samples(flat, select.segments(layout, g), leaves[g],
-                                               [1] * len(leaves[g]))
+        samples, segs = terms.samples(select.segments(layout, g), leaves[g],
+                                      [1] * len(leaves[g]))
         parts.append(samples)
         sizes += segs.sizes
         kept += [ks[g][i] for i in leaves[g]]
@@ -421,16 +470,17 @@ def settle(select: Selection, layout: Layout, accumulated: Sequence[jax.Array],
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["positions", "passed", "thresholds"], meta_fields=[])
+                   data_fields=["positions", "passed", "thresholds", "finite"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Picked:
   """A group's values that passed their thresholds, in fixed-capacity slots (`pick`)."""
   positions: jax.Array   # int32[sum(capacities)]: positions in the group's buffer, segment after segment; sentinel: the buffer's length
   passed: jax.Array      # int32[segments]: values that passed per segment (> its capacity on overflow)
   thresholds: Any        # float32[S]: the thresholds DLGS selected with, one per segment; None for the other kinds
+  finite: jax.Array      # bool[]: every value of this worker's g in the group is finite
 
 
-def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
+def pick(select: Selection, layout: Layout, group: int, summed: Summed,
          previous: Optional[jax.Array] = None) -> Picked:
   """A group's values to send, in fixed-capacity slots: one path for every kind.
 
@@ -444,20 +494,22 @@ def pick(select: Selection, layout: Layout, group: int, flat: jax.Array,
     select: the selection.
     layout: the static layout.
     group: the group.
-    flat: g = residual + gradient of the group, laid out in its buffer (`accumulate`).
+    summed: g = residual + gradient of the group (`accumulate`).
     previous: DLGS only: float32 [S], the group's thresholds of the last step (per segment).
   """
   segs = select.segments(layout, group)
   ks, capacities = select.ks(layout, group), select.capacities(layout, group)
   if select.kind == "threshold":
-    proposal = propose(select, layout, group, flat, previous)
-    positions, passed = segmented.compact(segmented.pack(flat, proposal, segs), segs, capacities)
-    return Picked(positions, passed, proposal)
+    proposal = propose(select, layout, group, summed, previous)
+    words, finite = segmented.pack_finite(summed.total(), proposal, segs)
+    positions, passed = segmented.compact(words, segs, capacities)
+    return Picked(positions, passed, proposal, finite)
+  flat = summed.total()
   positions, passed = segmented.top(flat, segs, ks, capacities, select.whole(layout, group))
-  return Picked(positions, passed, None)
+  return Picked(positions, passed, None, _finite(flat))
 
 
-def pick_at(select: Selection, layout: Layout, group: int, flat: jax.Array,
+def pick_at(select: Selection, layout: Layout, group: int, summed: Summed,
             thresholds: jax.Array) -> Picked:
   """A group's values at or above thresholds given as they are (DGC's estimates).
 
@@ -465,10 +517,15 @@ def pick_at(select: Selection, layout: Layout, group: int, flat: jax.Array,
     select: the selection (its capacities size the slots).
     layout: the static layout.
     group: the group.
-    flat: its values laid out in its buffer.
+    summed: its values laid out in its buffer.
     thresholds: float32 [L], one per leaf of the group.
   """
   segs = layout.buffer(group)
-  words = segmented.pack(flat, thresholds, segs)
+  words, finite = segmented.pack_finite(summed.total(), thresholds, segs)
   positions, passed = segmented.compact(words, segs, select.capacities(layout, group))
-  return Picked(positions, passed, thresholds)
+  return Picked(positions, passed, thresholds, finite)
+
+
+def _finite(flat: jax.Array) -> jax.Array:
+  """Whether every value of `flat` is finite (bool scalar; see `segmented.pack_finite`)."""
+  return ~jnp.isnan(jnp.sum(flat - flat))

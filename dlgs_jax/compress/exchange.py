@@ -8,6 +8,7 @@ leaf list of an `engine.Layout`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
@@ -33,15 +34,15 @@ def sparse_exchange(
     layout: Layout,
     select: Selection,
     collective: str,
-    accumulated: Sequence[jax.Array],
+    accumulated: Sequence[engine.Summed],
     picked: Sequence[engine.Picked],
     *,
     axis_name,
     wire_dtype: str = "float32",
-    previous: Optional[Sequence[jax.Array]] = None,
     skip_nonfinite: bool = False,
     owner_thresholds: Optional[Sequence[jax.Array]] = None,
     exact: Optional[jax.Array] = None,
+    after: Sequence[jax.Array] = (),
 ) -> Exchanged:
   """One sparse communication step over all groups, each in its flat buffer.
 
@@ -52,22 +53,21 @@ def sparse_exchange(
 
   With `skip_nonfinite`, a step is skipped on every worker when any worker's
   g = residual + gradient holds a value that is not finite (a NaN or an
-  infinity in a gradient, or a sum past the range): one flag is summed over
-  workers, and it masks the received pairs and the k-sized residual writes --
-  not the dense means -- while each group's collective still waits for its
-  own values only.
+  infinity in a gradient, or a sum past the range; `engine.Picked.finite`):
+  one flag is summed over workers, and it masks the received pairs and the
+  k-sized residual writes -- not the dense means -- while each group's
+  collective still waits for its own values only; a skipped step's residual
+  is the old one, bit for bit (`engine.Summed.kept`).
 
   Args:
     layout: the static layout.
     select: the selection rule.
     collective: "allgather", "gtopk" or "owners" (`owners`).
-    accumulated: per group, g = residual + gradient laid out in its buffer (float32).
+    accumulated: per group, g = residual + gradient (`engine.accumulate`).
     picked: per group, what `engine.pick` chose.
     axis_name: the data-parallel axis.
     wire_dtype: the all-gather's value dtype; with "bfloat16" what rounding a
       sent value loses stays in the residual.
-    previous: per group, the old flat residual, kept when the step is skipped
-      (needed with `skip_nonfinite`).
     skip_nonfinite: skip steps whose values are not finite; False: every
       step is applied.
     owner_thresholds: with "owners", per group the global threshold the
@@ -75,26 +75,36 @@ def sparse_exchange(
     exact: with "owners", a bool scalar, the same on every worker: the owners
       keep their regions' exact top and measure the thresholds anew; None:
       every step is exact.
+    after: what else reads the old residuals (the next thresholds, computed
+      from g), finite on every applied step: the residuals are written after it.
 
   Returns:
     `Exchanged`.
   """
-  applied = common.all_finite(accumulated, axis_name) if skip_nonfinite else None
+  applied = (collectives.all_agree(functools.reduce(jnp.logical_and,
+                                                    [chosen.finite for chosen in picked]),
+                                   axis_name) if skip_nonfinite else None)
   workers = collectives.num_workers(axis_name)
   ks = [select.group_k(layout, group) for group in range(len(accumulated))]
-  values_of = [flat.at[chosen.positions].get(mode="fill", fill_value=0.0)
-               for flat, chosen in zip(accumulated, picked)]
+  values_of = [summed.at(chosen.positions) for summed, chosen in zip(accumulated, picked)]
+  written = applied
+  if applied is not None:
+    # What still reads the old residuals (the messages' values, the next
+    # thresholds) is finite on an applied step; tied to it, the write comes
+    # after those reads, and XLA writes over the old residual in place
+    # rather than copying it first.
+    written = applied & common.all_finite(list(values_of) + list(after), None)
   if collective == "owners":
     # Every group's pairs reach their owners before the one conditional that
     # keeps what every owner keeps (`owners.keep`).
-    received = [owners.to_owners(values, chosen.positions, flat.shape[0], axis_name=axis_name)
-                for flat, chosen, values in zip(accumulated, picked, values_of)]
-    owned, found = owners.keep(received, [flat.shape[0] for flat in accumulated], ks,
+    received = [owners.to_owners(values, chosen.positions, summed.length, axis_name=axis_name)
+                for summed, chosen, values in zip(accumulated, picked, values_of)]
+    owned, found = owners.keep(received, [summed.length for summed in accumulated], ks,
                                axis_name=axis_name, exact=exact, thresholds=owner_thresholds)
   means, residuals, selected, passed, sent_bytes, received_bytes = [], [], [], [], [], []
   thresholds = []
-  for group, (flat, chosen) in enumerate(zip(accumulated, picked)):
-    length = flat.shape[0]
+  for group, (summed, chosen) in enumerate(zip(accumulated, picked)):
+    length = summed.length
     positions = chosen.positions
     values = values_of[group]
     k = ks[group]
@@ -110,19 +120,19 @@ def sparse_exchange(
       # Both agree on about k positions and take every worker's whole value there:
       # those leave every residual, whole.
       if collective == "owners":
-        mean, sent, measured = owners.share(flat, owned[group], found[group],
+        mean, sent, measured = owners.share(summed.total(), owned[group], found[group],
                                             axis_name=axis_name, apply=applied)
         thresholds.append(measured if exact is None
                           else jnp.where(exact, measured, owner_thresholds[group]))
         bytes_out = bytes_in = wire.owners_bytes(positions.shape[0], k, workers)
       else:
-        mean, sent = collectives.gtopk_mean(flat, values, positions, k, axis_name=axis_name,
+        mean, sent = collectives.gtopk_mean(summed.total(), values, positions, k,
+                                            axis_name=axis_name,
                                             apply=applied)
         bytes_out, bytes_in = wire.gtopk_bytes(k, workers, collectives.worker_index(axis_name))
       kept = jnp.zeros((), jnp.float32)
       count = selection.count_valid(sent, length)
-    residuals.append(_written(flat, sent, kept, length, applied,
-                              None if previous is None else previous[group]))
+    residuals.append(_written(summed, sent, kept, length, written))
     means.append(mean)
     selected.append(count)
     passed.append(jnp.sum(chosen.passed))
@@ -137,17 +147,16 @@ def _total(amounts) -> jax.Array:
   return sum(amounts, jnp.zeros((), jnp.float32))
 
 
-def _written(flat: jax.Array, positions: jax.Array, kept, length: int, applied, previous):
-  """A group's new residual: `flat` with what was sent at `positions` replaced by `kept`.
+def _written(summed: engine.Summed, positions: jax.Array, kept, length: int, applied):
+  """A group's new residual: g with what was sent at `positions` replaced by `kept`.
 
-  When the step is not `applied`, `previous` is kept: the select is fused into
-  the copy the scatter writes anyway, and the scatter's positions are masked
-  rather than its result.
+  When the step is not `applied`, the old residual is kept whole: g's terms
+  are summed only where applied (`engine.Summed.kept`) and the scatter's
+  positions are masked rather than its result.
   """
   if applied is None:
-    return flat.at[positions].set(kept, mode="drop")
-  base = jnp.where(applied, flat, previous.astype(flat.dtype))
-  return base.at[jnp.where(applied, positions, length)].set(kept, mode="drop")
+    return summed.total().at[positions].set(kept, mode="drop")
+  return summed.kept(applied).at[jnp.where(applied, positions, length)].set(kept, mode="drop")
 
 
 def _unsent(values: jax.Array, wire_dtype: str):

@@ -11,7 +11,8 @@ error-feedback residuals in that layout, so a step adds the gradients into it
 once and every pass handles all leaves together:
 
 * `pack`: one comparison against per-leaf thresholds broadcast by word, the
-  mask packed 32 to a word (zeros never pass);
+  mask packed 32 to a word (zeros never pass); `pack_finite` checks the
+  values for NaNs and infinities in the same pass;
 * `segment_sums`: per-leaf totals of per-word numbers, one scatter-add;
 * `kth_largest`: exact k_l-th largest ``|g|`` of every leaf by a radix
   select on the float's bits (three histogram passes, no sort, no
@@ -160,6 +161,28 @@ def pack(flat: jax.Array, thresholds: jax.Array, segs: Segments) -> jax.Array:
   # thresholds: ~9x slower).
   magnitude = magnitude[:, None, :]
   return _pack_bits((magnitude >= bounds[:, :, None]) & (magnitude > 0))
+
+
+def pack_finite(flat: jax.Array, thresholds: jax.Array, segs: Segments
+                ) -> tuple[jax.Array, jax.Array]:
+  """`pack`'s words for one threshold per leaf, and whether every value is finite.
+
+  One reduction gives both (two outputs of the same pass), so the buffer is
+  read once where a separate check read it again; when `flat` is a sum of two
+  buffers, XLA fuses the sum into this pass and writes nothing its size.
+
+  Returns:
+    ``(words, finite)``: uint32[W] as `pack`; a bool scalar.
+  """
+  magnitude = jnp.abs(flat).reshape(-1, WORD)
+  bounds = per_word(thresholds, segs)
+  powers = jnp.uint32(1) << jnp.arange(WORD, dtype=jnp.uint32)
+  bits = jnp.where((magnitude >= bounds[:, None]) & (magnitude > 0), powers, jnp.uint32(0))
+  # A NaN or an infinity minus itself is NaN, which the sum keeps; a finite value gives 0.
+  spread = (flat - flat).astype(jnp.float32).reshape(-1, WORD)
+  words, nans = lax.reduce((bits, spread), (jnp.uint32(0), jnp.float32(0)),
+                           lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))
+  return words, ~jnp.isnan(jnp.sum(nans))
 
 
 def _pack_bits(mask: jax.Array) -> jax.Array:
@@ -461,9 +484,14 @@ def count_at(flat: jax.Array, segs: Segments, thresholds: jax.Array, strides: Se
   Returns:
     int32 [N, M].
   """
+  return count_samples(*leaf_samples(flat, segs, leaves, strides), thresholds, strides)
+
+
+def count_samples(samples: jax.Array, sample_segs: Segments, thresholds: jax.Array,
+                  strides: Sequence[int]) -> jax.Array:
+  """`count_at` of samples already taken (`leaf_samples`): int32 [N, M]."""
   # Packed even for one leaf: summing the M comparisons of every value directly
   # made XLA:CPU write them out, M floats a value, for its reduction to read.
-  samples, sample_segs = leaf_samples(flat, segs, leaves, strides)
   counts = passing_counts(pack(samples, thresholds, sample_segs), sample_segs)
   return counts * _int32(strides)[:, None]
 

@@ -105,25 +105,27 @@ def _sparse_transform(
     grads = jax.tree_util.tree_leaves(updates)
     accumulated, picked = [], []
     for group in range(len(layout.groups)):
-      flat = engine.accumulate(layout, group, state.residuals[group], grads)
-      accumulated.append(flat)
-      picked.append(engine.pick(select, layout, group, flat,
+      summed = engine.accumulate(layout, group, state.residuals[group], grads)
+      accumulated.append(summed)
+      picked.append(engine.pick(select, layout, group, summed,
                                 state.thresholds[group] if with_thresholds else None))
     owners_exact = None
     if with_owners and with_thresholds:
       # A threshold never measured (0: a fresh or resharded state) is measured now.
       owners_exact = ((state.count % reuse_every == 0)
                       | jnp.any(jnp.stack(state.owner_thresholds) <= 0))
-    out = exchange.sparse_exchange(
-        layout, select, collective, accumulated, picked, axis_name=axis_name,
-        wire_dtype=wire_dtype, previous=state.residuals, skip_nonfinite=skip_nonfinite,
-        owner_thresholds=state.owner_thresholds if with_owners else None, exact=owners_exact)
-    applied = out.applied
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(applied, a, b), new, old)
-    exact = jnp.zeros((), jnp.int32)
+    # The next thresholds read this step's g: the residuals are written after them.
+    settled, exact = [], jnp.zeros((), jnp.int32)
     if with_thresholds:
       settled, exact = engine.settle(select, layout, accumulated, picked, state.thresholds,
                                      state.count % reuse_every == 0)
+    out = exchange.sparse_exchange(
+        layout, select, collective, accumulated, picked, axis_name=axis_name,
+        wire_dtype=wire_dtype, skip_nonfinite=skip_nonfinite,
+        owner_thresholds=state.owner_thresholds if with_owners else None, exact=owners_exact,
+        after=settled)
+    applied = out.applied
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(applied, a, b), new, old)
     stats = keep(step_stats(state.stats, out.bytes_sent, out.bytes_received, out.selected,
                             out.passed, exact), skipped_stats(state.stats))
     count = state.count + applied.astype(jnp.int32)

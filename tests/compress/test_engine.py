@@ -33,7 +33,7 @@ def reuse_step(select, layout, leaves, previous, recompute=False):
 
   @jax.jit
   def run(leaves, previous):
-    flat = layout.lay_out(0, leaves)
+    flat = engine.Summed(layout.lay_out(0, leaves), None)
     picked = engine.pick(select, layout, 0, flat, previous)
     (thresholds,), exact = engine.settle(select, layout, [flat], [picked], [previous],
                                          jnp.asarray(recompute))
@@ -176,7 +176,7 @@ def test_a_step_selects_with_the_proposal_and_keeps_exact_thresholds_when_due():
 
   @jax.jit
   def step(leaves, recompute):
-    flat = layout.lay_out(0, leaves)
+    flat = engine.Summed(layout.lay_out(0, leaves), None)
     picked = engine.pick(select, layout, 0, flat, jnp.asarray(previous))
     kept, exact = engine.settle(select, layout, [flat], [picked], [jnp.asarray(previous)],
                                 recompute)
@@ -210,10 +210,38 @@ def test_a_first_step_starts_from_zero_and_keeps_exact_thresholds():
     start = engine.initial_thresholds(select, layout, 0)
     np.testing.assert_array_equal(start, [0.0, 0.0])
     flat = layout.lay_out(0, [jnp.asarray(x) for x in leaves])
-    picked = jax.jit(lambda v, t, s=select: engine.pick(s, layout, 0, v, t))(flat, start)
+    picked = jax.jit(lambda v, t, s=select: engine.pick(s, layout, 0, engine.Summed(v, None),
+                                                        t))(flat, start)
     positions = np.asarray(picked.positions)
     np.testing.assert_array_equal(positions[:100], np.arange(5, 105))
     np.testing.assert_array_equal(positions[100:], np.arange(1024, 1024 + 7))
     got, exact = reuse_step(select, layout, leaves, np.asarray(start), recompute=True)
     np.testing.assert_array_equal(got, [kth_largest(leaves[0], 100), kth_largest(leaves[1], 7)])
     assert int(exact) == 2
+
+
+def test_summed_gives_g_and_keeps_the_old_residual_bit_for_bit_on_a_skipped_step():
+  rng = np.random.default_rng(3)
+  layout = group_layout(SIZES)
+  segs = layout.buffer(0)
+  residual = rng.standard_normal(segs.length).astype(np.float32)
+  residual[:6] = [-0.0, 0.0, -0.0, 1e-30, -3.0, 0.0]  # signed zeros
+  gradient = rng.standard_normal(segs.length).astype(np.float32)
+  gradient[1] = -0.0
+  summed = engine.Summed(jnp.asarray(residual), jnp.asarray(gradient))
+  want = residual + gradient
+  np.testing.assert_array_equal(np.asarray(summed.total()), want)
+  positions = jnp.asarray([5, 0, segs.length, 17], jnp.int32)  # the sentinel gives 0
+  np.testing.assert_array_equal(np.asarray(summed.at(positions)),
+                                np.append(want, 0.0)[[5, 0, -1, 17]])
+  samples, sample_segs = summed.samples(segs, [3, 1], [7, 1])
+  np.testing.assert_array_equal(
+      np.asarray(samples), np.asarray(engine.Summed(jnp.asarray(want), None).samples(
+          segs, [3, 1], [7, 1])[0]))
+  assert sample_segs.sizes == (-(-SIZES[3] // 7), SIZES[1])
+  kept = jax.jit(summed.kept)
+  np.testing.assert_array_equal(np.asarray(kept(jnp.asarray(True))), want)
+  old = np.asarray(kept(jnp.asarray(False)))
+  assert old.tobytes() == residual.tobytes()  # -0.0 stays -0.0
+  with pytest.raises(ValueError, match="two terms"):
+    engine.Summed(jnp.asarray(want), None).kept(jnp.asarray(False))

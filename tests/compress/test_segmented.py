@@ -57,6 +57,21 @@ def test_a_buffer_lays_leaves_out_on_words_and_cuts_them_back():
     np.testing.assert_array_equal(np.asarray(y), x)
 
 
+def test_pack_finite_packs_as_pack_and_flags_any_nan_or_infinity():
+  rng = np.random.default_rng(11)
+  leaves = make_leaves(rng, zeros=0.3)
+  flat, segs = laid(leaves)
+  thresholds = jnp.asarray(rng.uniform(0.2, 1.5, len(SIZES)).astype(np.float32))
+  run = jax.jit(lambda v: segmented.pack_finite(v, thresholds, segs))
+  words, finite = run(flat)
+  np.testing.assert_array_equal(np.asarray(words), np.asarray(segmented.pack(flat, thresholds,
+                                                                             segs)))
+  assert bool(finite)
+  for bad in (np.nan, np.inf, -np.inf):
+    for position in (0, segs.offsets[3] + 7, segs.length - 1):  # padding included
+      assert not bool(run(flat.at[position].set(bad))[1]), (bad, position)
+
+
 @pytest.mark.slow
 def test_compaction_matches_the_leaf_by_leaf_selection():
   rng = np.random.default_rng(4)
@@ -224,7 +239,7 @@ def test_a_groups_program_holds_its_table_of_leaf_numbers_once():
   layout = engine.make_layout(params, None, None, single_group=True)
   select = engine.Selection("threshold", 0.01, rule=rules.AdaptedReuse())
   words = layout.buffer(0).num_words
-  text = jax.jit(lambda v, t: engine.pick(select, layout, 0, v, t)).lower(
+  text = jax.jit(lambda v, t: engine.pick(select, layout, 0, engine.Summed(v, None), t)).lower(
       jnp.zeros((layout.buffer(0).length,)), jnp.ones((30,))).as_text()
   tables = [line for line in text.splitlines()
             if "constant" in line and f"tensor<{words}xi32>" in line.split("=")[-1]]
@@ -293,7 +308,8 @@ def test_a_top_k_keeps_every_value_above_its_threshold_whatever_the_ties():
     select = engine.Selection(kind, 0.1)
     for group, members in enumerate(layout.groups):
       flat = layout.lay_out(group, [jnp.asarray(x) for x in arrays])
-      picked = jax.jit(lambda v, g=group: engine.pick(select, layout, g, v))(flat)
+      picked = jax.jit(lambda v, g=group: engine.pick(select, layout, g,
+                                                      engine.Summed(v, None)))(flat)
       segs = select.segments(layout, group)
       capacities = select.capacities(layout, group)
       buffer = np.asarray(flat)

@@ -101,3 +101,20 @@ def test_traffic_by_kernel_itemizes_the_total():
   items = programs.traffic_by_kernel(hlo)
   assert sum(moved for _, _, moved in items) == programs.memory_traffic(hlo)
   assert all(op not in ("parameter", "constant", "tuple") for _, op, _ in items)
+
+
+def test_a_dlgs_reuse_step_sums_residual_and_gradient_inside_the_passes_that_read_them():
+  """No buffer holds g = residual + gradient, and none chooses the old residual over the new.
+
+  The paper's rule over 16 leaves in one group: laying out 2, selecting with the
+  non-finite flag 2 (the residual and the gradient read once), the residual's write 3,
+  the mean's buffer and its cut 3. Writing g out and selecting between the residuals
+  made 14.2; a copy of the donated residual would add 2.
+  """
+  params = {f"w{i:02d}": jnp.ones((N // 16,)) for i in range(16)}
+  tx = dlgs_jax.dlgs(0.01, thresholds=dlgs_jax.FixedReuse(10), budget="layer",
+                     groups=[list(params)])
+  hlo = jax.jit(tx.update, donate_argnums=1).lower(params, tx.init(params)).compile().as_text()
+  assert programs.memory_passes(hlo, N) < 11.5
+  assert not [name for name, op, moved in programs.traffic_by_kernel(hlo)
+              if op == "copy" and moved >= 4 * N], "the donated residual was copied"
