@@ -20,8 +20,9 @@ What it measures, per model (VGG16 and ResNet-50 leaf shapes) and density:
   Top-k, gTop-k, LAGS, and DLGS on the paper's fixed reuse and with the
   default rule, LAGS and DLGS with every leaf in one group and with the
   default grouping. Each update runs one whole reuse period on gradients drawn
-  afresh for every step, from a state warmed over two periods
-  (`profiling.periods.schedule_period`). Rounds alternate the floor and the
+  afresh for every step, from a state warmed over two periods and then carried
+  from call to call, donated as a training step donates it (the floor's
+  residuals too; `profiling.periods.schedule_period`). Rounds alternate the floor and the
   update; the ratio reported is the median of the rounds' ratios.
 * **What each compiled update is made of** on this backend: conditionals
   (each waits for the host on GPU), sorts and top-k calls, kernels
@@ -49,6 +50,7 @@ so a slot cut short still leaves what was measured. Prints a table at the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -120,19 +122,22 @@ def floor_period(gradients: list, density: float):
   # does not depend on it, only what is kept.
   cut = statistics.NormalDist().inv_cdf(1 - density / 2)
   thresholds = [jnp.float32(cut) for _ in residuals]
-  run_floor = jax.jit(floor_pass)
+  # The residuals are carried and donated, as the updates' states are.
+  run_floor = jax.jit(floor_pass, donate_argnums=1)
+  carried = [residuals]
 
   def run():
     out = None
     for grads in leaves:
-      out = run_floor(grads, residuals, thresholds)
+      out = run_floor(grads, carried[0], thresholds)
+      carried[0] = [new for _, new in out]
     return out
 
   # A few periods untimed: the first calls also fault in the memory their
   # outputs take (on this project's CPU VM the first row's floor timed ~2x).
   for _ in range(3):
     jax.block_until_ready(run())
-  return run, (leaves[0], residuals, thresholds)
+  return run, (leaves[0], [jnp.zeros_like(x) for x in leaves[0]], thresholds)
 
 
 def median_seconds(fn, rounds: int) -> float:
@@ -202,7 +207,7 @@ def whole_step_ms(name: str, batch: int, side: int, tx, reuse_every: int, rounds
 
   model, images, labels, params, batch_stats = model_and_batch(name, batch, side)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def step(params, opt_state, batch_stats):
     grads, mutated = losses.batch_gradients(model, params, batch_stats, images, labels)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -95,7 +95,8 @@ def profile(args) -> dict:
     for method, group, tx in checked_updates(args.density, args.reuse_every, params):
       if method not in args.methods or group == "default":
         continue
-      update, counts, hlo = compiled_update(tx, gradients[0])
+      # The warmed state serves every round, so it is not donated.
+      update, counts, hlo = compiled_update(tx, gradients[0], donate=False)
       warmed = warm_state(update, tx.init(gradients[0]), gradients, None,
                           WARM_PERIODS * len(gradients))
       steps = step_times(update, gradients, warmed, args.rounds)

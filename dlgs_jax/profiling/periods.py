@@ -48,41 +48,54 @@ def schedule_period(tx, gradients: list, warm_periods: int = 2,
                     update: Optional[Callable] = None) -> tuple[Callable, float]:
   """One period of a transform's schedule, from a warmed-up state, and its exact counts.
 
-  The state first takes ``warm_periods`` passes over `gradients`, so its
-  residual is that of a run under way and its step count a multiple of
-  ``len(gradients)`` (the schedule's exact step comes first in a period).
+  The state first takes ``warm_periods`` passes over `gradients` (the last one
+  counts the exact leaves), so its residual is that of a run under way and its
+  step count a multiple of ``len(gradients)`` (the schedule's exact step comes
+  first in a period). Each call then runs the next period from where the last
+  one left the state, which it donates as a training step does: XLA writes
+  the new state over the old one rather than into fresh memory.
 
   Args:
     tx: a transform of this library (its state holds `CommStats`).
     gradients: one gradient tree per step of the period.
-    warm_periods: passes over `gradients` before the timed period.
-    update: ``tx.update`` compiled already (e.g. an AOT executable whose
-      program was counted); None: ``jax.jit(tx.update)``.
+    warm_periods: passes over `gradients` before the first timed period (>= 1).
+    update: ``tx.update`` compiled already, donating its state (`compiled_update`);
+      None: ``jax.jit(tx.update, donate_argnums=1)``.
 
   Returns:
-    ``(run, exact_leaves)``: ``run()`` applies the jitted update once per
-    gradient from the warmed state and returns the last update; the mean
-    number of leaves whose threshold was computed exactly per step of the period.
+    ``(run, exact_leaves)``: ``run()`` applies the update once per gradient,
+    carrying the state, and returns the last update; the mean number of leaves
+    whose threshold was computed exactly per step of the last warm period.
   """
-  update = jax.jit(tx.update) if update is None else update
-  warmed = warm_state(update, tx.init(gradients[0]), gradients, None,
-                      warm_periods * len(gradients))
-  state, exact = warmed, []
+  if warm_periods < 1:
+    raise ValueError(f"warm_periods must be >= 1, got {warm_periods}")
+  update = jax.jit(tx.update, donate_argnums=1) if update is None else update
+  state = warm_state(update, tx.init(gradients[0]), gradients, None,
+                     (warm_periods - 1) * len(gradients))
+  exact = []
   for grads in gradients:
     _, state = update(grads, state)
     exact.append(int(comm_stats(state).exact))
+  carried = [state]
 
   def run():
-    s, u = warmed, None
+    s, u = carried[0], None
     for grads in gradients:
       u, s = update(grads, s)
+    carried[0] = s
     return u
 
   return run, float(np.mean(exact))
 
 
-def compiled_update(tx, grads) -> tuple[Callable, dict[str, int], str]:
+def compiled_update(tx, grads, donate: bool = True) -> tuple[Callable, dict[str, int], str]:
   """``tx.update`` compiled ahead of time for `grads`, the counts of that program, its HLO.
+
+  Args:
+    tx: the transform.
+    grads: a gradient tree.
+    donate: the update donates its state, as a training step does (each state
+      is then used once).
 
   Returns:
     ``(update, counts, hlo)``: ``update(grads, state)`` runs the executable
@@ -90,7 +103,8 @@ def compiled_update(tx, grads) -> tuple[Callable, dict[str, int], str]:
     passes it); `counts` are `programs.count_hlo`'s of the optimized HLO.
   """
   state = tx.init(grads)
-  executable = jax.jit(tx.update).lower(grads, state).compile()
+  executable = jax.jit(tx.update, donate_argnums=1 if donate else ()).lower(
+      grads, state).compile()
   hlo = executable.as_text()
 
   def update(g, s, params: Any = None):
