@@ -56,6 +56,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "cpu-floor": cpu_floor,
     "cpu-floor-small-pages": lambda: cpu_floor("cpu_flat_small_pages"),
     "cpu-floor-huge-pages": lambda: cpu_floor("cpu_flat_huge_pages"),
+    "cpu-floor-summed": lambda: cpu_floor("cpu_donated_summed"),
+    "cpu-floor-written": lambda: cpu_floor("cpu_donated_written"),
     "timeline-check": timeline_check,
     "h200-update": h200_update,
     "nodes-measured": nodes_measured,

@@ -291,8 +291,8 @@ class Summed(NamedTuple):
   pass (the reuse step's selection reads e and the gradient once and writes
   nothing their size), and the new residual is the old one plus the gradient
   -- or plus nothing, on a skipped step -- which XLA writes over the old one in
-  place when the state is donated. Written out, g was one more buffer of the
-  model's size, and keeping the old residual on a skipped step a select over it.
+  place when the state is donated. Written out, g would be one more buffer of
+  the model's size, and keeping the old residual on a skipped step a select over it.
   """
   residual: jax.Array          # [buffer], the residuals' dtype: e
   laid: Optional[jax.Array]    # [buffer], the residuals' dtype: the gradient laid out; None: `residual` is g whole
@@ -328,9 +328,9 @@ class Summed(NamedTuple):
       return self.total()
     if self.laid is None:
       raise ValueError("a skipped step keeps the old residual: give Summed its two terms")
-    # x + -0.0 is x for every x, the sign of a zero included (a subnormal x where
-    # the backend keeps subnormals: XLA:CPU flushes them, so no sum of its leaves one
-    # in a residual).
+    # x + -0.0 is x for every x, the sign of a zero included (a subnormal x only
+    # where the backend keeps subnormals; XLA:CPU flushes them to zero, so its sums
+    # never leave one in a residual).
     return (self.residual + jnp.where(applied, self.laid, -0.0)).astype(jnp.float32)
 
 
