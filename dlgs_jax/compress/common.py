@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from dlgs_jax.compress import collectives, engine, grouping, wire
+from dlgs_jax.compress import collectives, engine, grouping, segmented, wire
 from dlgs_jax.compress.collectives import axes_of, types_checked, varying_axes
 
 
@@ -107,15 +107,10 @@ def check_groups(groups, order):
 
 def all_finite(leaves: Sequence[jax.Array], axis_name) -> jax.Array:
   """Whether every value of `leaves` is finite on every worker (bool scalar)."""
-  # A NaN or an infinity minus itself is NaN, which every sum propagates (a max
-  # need not: XLA:CPU's dropped NaNs), and a finite value minus itself is 0.
-  # One reduction that reads the leaf once and writes nothing its size, where a
-  # mask of ~isfinite reduced by `any` wrote one byte a value and took three
-  # more kernels, and `leaf * 0.0` made XLA:CPU read a buffer of zeros beside it.
-  bad = jnp.zeros((), jnp.bool_)
+  ok = jnp.ones((), jnp.bool_)
   for leaf in leaves:
-    bad = bad | jnp.isnan(jnp.sum(leaf - leaf, dtype=jnp.float32))
-  return collectives.all_agree(~bad, axis_name)
+    ok = ok & segmented.finite(leaf)
+  return collectives.all_agree(ok, axis_name)
 
 
 def unless_nonfinite(skip_nonfinite: bool, grads: Sequence[jax.Array], axis_name,

@@ -506,7 +506,7 @@ def pick(select: Selection, layout: Layout, group: int, summed: Summed,
     return Picked(positions, passed, proposal, finite)
   flat = summed.total()
   positions, passed = segmented.top(flat, segs, ks, capacities, select.whole(layout, group))
-  return Picked(positions, passed, None, _finite(flat))
+  return Picked(positions, passed, None, segmented.finite(flat))
 
 
 def pick_at(select: Selection, layout: Layout, group: int, summed: Summed,
@@ -525,7 +525,3 @@ def pick_at(select: Selection, layout: Layout, group: int, summed: Summed,
   positions, passed = segmented.compact(words, segs, select.capacities(layout, group))
   return Picked(positions, passed, thresholds, finite)
 
-
-def _finite(flat: jax.Array) -> jax.Array:
-  """Whether every value of `flat` is finite (bool scalar; see `segmented.pack_finite`)."""
-  return ~jnp.isnan(jnp.sum(flat - flat))

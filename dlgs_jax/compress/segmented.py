@@ -163,6 +163,15 @@ def pack(flat: jax.Array, thresholds: jax.Array, segs: Segments) -> jax.Array:
   return _pack_bits((magnitude >= bounds[:, :, None]) & (magnitude > 0))
 
 
+def finite(x: jax.Array) -> jax.Array:
+  """Whether every value of `x` is finite (bool scalar), in one reduction that writes nothing its size."""
+  # A NaN or an infinity minus itself is NaN, which every sum propagates (a max
+  # need not: XLA:CPU's dropped NaNs), and a finite value minus itself is 0.
+  # A mask of ~isfinite reduced by `any` wrote one byte a value and took three
+  # more kernels, and `x * 0.0` made XLA:CPU read a buffer of zeros beside it.
+  return ~jnp.isnan(jnp.sum(x - x, dtype=jnp.float32))
+
+
 def pack_finite(flat: jax.Array, thresholds: jax.Array, segs: Segments
                 ) -> tuple[jax.Array, jax.Array]:
   """`pack`'s words for one threshold per leaf, and whether every value is finite.
@@ -176,9 +185,8 @@ def pack_finite(flat: jax.Array, thresholds: jax.Array, segs: Segments
   """
   magnitude = jnp.abs(flat).reshape(-1, WORD)
   bounds = per_word(thresholds, segs)
-  powers = jnp.uint32(1) << jnp.arange(WORD, dtype=jnp.uint32)
-  bits = jnp.where((magnitude >= bounds[:, None]) & (magnitude > 0), powers, jnp.uint32(0))
-  # A NaN or an infinity minus itself is NaN, which the sum keeps; a finite value gives 0.
+  bits = jnp.where((magnitude >= bounds[:, None]) & (magnitude > 0), _powers(), jnp.uint32(0))
+  # As in `finite`: NaN where a value is not finite, 0 elsewhere.
   spread = (flat - flat).astype(jnp.float32).reshape(-1, WORD)
   words, nans = lax.reduce((bits, spread), (jnp.uint32(0), jnp.float32(0)),
                            lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))
@@ -187,9 +195,13 @@ def pack_finite(flat: jax.Array, thresholds: jax.Array, segs: Segments
 
 def _pack_bits(mask: jax.Array) -> jax.Array:
   """Bits along the last axis (32 of them) packed into one uint32."""
-  powers = jnp.uint32(1) << jnp.arange(WORD, dtype=jnp.uint32)
   # Distinct powers of two: the sum is the bitwise OR of the word's bits.
-  return jnp.sum(jnp.where(mask, powers, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
+  return jnp.sum(jnp.where(mask, _powers(), jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
+
+
+def _powers() -> jax.Array:
+  """uint32[32]: bit i of a word is value i of it."""
+  return jnp.uint32(1) << jnp.arange(WORD, dtype=jnp.uint32)
 
 
 def passing_counts(words: jax.Array, segs: Segments) -> jax.Array:
