@@ -164,7 +164,7 @@ def pack(flat: jax.Array, thresholds: jax.Array, segs: Segments) -> jax.Array:
 
 
 def finite(x: jax.Array) -> jax.Array:
-  """Whether every value of `x` is finite (bool scalar), in one reduction that writes nothing its size."""
+  """Whether every value of `x` is finite (bool scalar): one reduction, nothing written its size."""
   # A NaN or an infinity minus itself is NaN, which every sum propagates (a max
   # need not: XLA:CPU's dropped NaNs), and a finite value minus itself is 0.
   # A mask of ~isfinite reduced by `any` wrote one byte a value and took three
