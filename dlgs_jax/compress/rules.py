@@ -144,7 +144,9 @@ class AdaptedReuse:
       since what the step before sent has left the residual, so an aim of 1
       sends less than k on average; above about 1, a leaf passing more than
       its buffer sends its first passing values in index order, not its
-      largest (experiments/README.md, section 2, measures both).
+      largest, and above 1 exact steps overflow too, so what is laid out last
+      can wait indefinitely (with one threshold per message, the first
+      layers; experiments/README.md, section 2, measures both).
     overflow: how many times its buffer a leaf may pass before its group
       recomputes (>= 1; ``math.inf``: never); what does not fit waits in the
       residual.
