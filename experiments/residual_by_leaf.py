@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dlgs_jax.compress import segmented
+from dlgs_jax.compress import grouping, segmented
 
 
 def restore_numpy(path: Path) -> dict:
@@ -41,19 +41,15 @@ def leaf_rows(state: dict, groups: list[list[str]]) -> list[dict]:
   one threshold per leaf (a budget per layer) is read leaf by leaf.
   """
   sparse = state["opt_state"][0]
+  # The plan names leaves as `grouping.leaf_paths` does.
   params = state["params"]
-
-  def size(path: str) -> int:
-    leaf = params
-    for key in path.split("/"):
-      leaf = leaf[key]
-    return int(np.asarray(leaf).size)
-
+  sizes = dict(zip(grouping.leaf_paths(params),
+                   (int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(params))))
   rows = []
   for index, paths in enumerate(groups):
     residual = np.asarray(sparse["residuals"][index])[0]
     thresholds = np.asarray(sparse["thresholds"][index])[0].reshape(-1)
-    segs = segmented.segments_of([size(path) for path in paths])
+    segs = segmented.segments_of([sizes[path] for path in paths])
     for leaf, (path, offset, n) in enumerate(zip(paths, segs.offsets, segs.sizes)):
       values = np.abs(residual[offset:offset + n])
       threshold = float(thresholds[leaf if thresholds.size > 1 else 0])
