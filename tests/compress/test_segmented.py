@@ -323,3 +323,61 @@ def test_a_top_k_keeps_every_value_above_its_threshold_whatever_the_ties():
         assert chosen.size == k, (kind, chosen.size, k)
         assert set(np.flatnonzero(np.abs(part) > kth)) <= set(chosen), kind
         assert np.all(np.abs(part[chosen]) >= kth)
+
+
+def reference_rotated(x, threshold, capacity, step):
+  """`compact` of one leaf given the step, in NumPy: an overflowing leaf starts at a moving rank."""
+  flat = x.ravel()
+  passing = np.flatnonzero((np.abs(flat) >= threshold) & (flat != 0))
+  if len(passing) <= capacity:
+    return reference_threshold(x, threshold, capacity)
+  fraction = np.float32(step * 0x9E3779B1 % 2**32) * np.float32(2.0 ** -32)
+  start = min(int(fraction * np.float32(len(passing))), len(passing) - 1)
+  return np.roll(passing, -start)[:capacity].astype(np.int32), len(passing)
+
+
+def test_an_overflowing_leaf_starts_where_the_step_says_and_one_that_fits_does_not_move():
+  rng = np.random.default_rng(21)
+  leaves = make_leaves(rng, zeros=0.3)
+  flat, segs = laid(leaves)
+  thresholds = np.array([0.0, 1.0, 0.5, 2.0, 1.5], np.float32)
+  capacities = [1, 3, 100, 50, 3000]  # leaves 1, 3 and 4 overflow
+
+  @jax.jit
+  def rotated(v, step):
+    words = segmented.pack(v, jnp.asarray(thresholds), segs)
+    return segmented.compact(words, segs, capacities, step)
+
+  plain, _ = jax.jit(lambda v: segmented.compact(
+      segmented.pack(v, jnp.asarray(thresholds), segs), segs, capacities))(flat)
+  np.testing.assert_array_equal(rotated(flat, jnp.int32(0))[0], plain)  # step 0: index order
+  moved = set()
+  for step in (1, 2, 7, 1000):
+    positions, passed = rotated(flat, jnp.int32(step))
+    indices = segmented.local_indices(positions, segs, capacities)
+    for leaf, (x, t, c) in enumerate(zip(leaves, thresholds, capacities)):
+      want, want_passed = reference_rotated(x, t, c, step)
+      np.testing.assert_array_equal(indices[leaf], want, err_msg=f"leaf {leaf}, step {step}")
+      assert int(passed[leaf]) == want_passed
+      in_order = reference_threshold(x, t, c)[0]
+      if want_passed > c:
+        moved.add((leaf, not np.array_equal(want, in_order)))
+      else:  # a leaf that fits sends what index order sends
+        np.testing.assert_array_equal(indices[leaf], in_order)
+  assert {(3, True), (4, True)} <= moved, moved
+
+
+def test_an_overflowing_leaf_sends_every_passing_value_within_a_few_steps():
+  # Every value passes and the slots hold a tenth, less than a word: in index
+  # order the rest would never be sent.
+  size, capacity = 300, 30
+  x = np.random.default_rng(22).uniform(1.0, 2.0, size).astype(np.float32)
+  flat, segs = laid([x], [size])
+  run = jax.jit(lambda v, step: segmented.compact(
+      segmented.pack(v, jnp.float32([0.5]), segs), segs, [capacity], step)[0])
+  sent = np.zeros(size, int)
+  for step in range(60):
+    positions = np.asarray(run(flat, jnp.int32(step)))
+    assert len(set(positions.tolist())) == capacity  # distinct, all real
+    sent[positions] += 1
+  assert sent.min() >= 1, np.flatnonzero(sent == 0)[:10]
