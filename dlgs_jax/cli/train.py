@@ -91,8 +91,8 @@ FLAGS = (
          "every step); 1: the reused one only", int),
     Flag("--aim", _M, "aim", "DLGS, adapted rule: the count each reused threshold is re-aimed "
          "at, as a fraction of k, in (0, 2]; what the step before sent has left the residual, "
-         "so about 1.1 sends k, but past 1 the buffer overflows and sends a run of the "
-         "passing values, not the largest", float),
+         "so about 1.1 sends k, but past 1 the buffer overflows and the leaves laid out "
+         "last can wait indefinitely", float),
     Flag("--budget", _M, "budget", "DLGS: 'message' (one threshold per message, its leaves' "
          "k together: the default) or 'layer' (a threshold per leaf, k_l each: the paper's)"),
     Flag("--min-ndim", _M, "min_ndim", "lags/dlgs: leaves with fewer dimensions are sent whole; "

@@ -314,8 +314,7 @@ class _Step:
               jax.random.fold_in(key, j), v, select.leaf_k(layout, j),
               sample_ratio=s.sample_ratio, band=(s.lower, s.upper), max_lowering=s.max_lowering)
           flats.append(engine.Summed(layout.lay_out(j, accumulated), None))
-          picked.append(engine.pick_at(select, layout, j, flats[-1], threshold[None],
-                                       state.count))
+          picked.append(engine.pick_at(select, layout, j, flats[-1], threshold[None]))
         out = exchange.sparse_exchange(layout, select, "allgather", flats, picked,
                                        axis_name=s.axis_name)
         means = [layout.cut(j, mean)[j] for j, mean in enumerate(out.means)]

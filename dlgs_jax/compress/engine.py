@@ -377,7 +377,8 @@ def initial_thresholds(select: Selection, layout: Layout, group: int) -> jax.Arr
   """A group's thresholds, one per segment, before its first step: 0, as the paper's list V starts.
 
   Every nonzero value passes 0, so the first step sends each leaf's first
-  values in index order, as many as its buffer holds, and keeps the rest owed; its exact thresholds
+  values in index order, as many as its buffer holds (what any step sends when
+  more than its buffer pass), and keeps the rest owed; its exact thresholds
   are computed from its values (`settle`) and serve from the next step on.
   """
   return jnp.zeros((len(select.ks(layout, group)),), jnp.float32)
@@ -480,16 +481,14 @@ class Picked:
 
 
 def pick(select: Selection, layout: Layout, group: int, summed: Summed,
-         previous: Optional[jax.Array] = None, step: Optional[jax.Array] = None) -> Picked:
+         previous: Optional[jax.Array] = None) -> Picked:
   """A group's values to send, in fixed-capacity slots: one path for every kind.
 
   DLGS ("threshold") selects at the thresholds its rule proposes from
   `previous` (`propose`; `settle` then decides the next ones); LAGS
   ("layer_topk") at the exact k_l-th largest of every leaf and Top-k
   ("group_topk") at that of the whole group (one segment), on every step.
-  Then one compaction over the buffer (`segmented.compact`); where more
-  values pass a threshold than its segment's slots hold, the slots start at a
-  place that moves with `step`, so that no part of the segment waits for ever.
+  Then one compaction over the buffer (`segmented.compact`).
 
   Args:
     select: the selection.
@@ -497,14 +496,13 @@ def pick(select: Selection, layout: Layout, group: int, summed: Summed,
     group: the group.
     summed: g = residual + gradient of the group (`accumulate`).
     previous: DLGS only: float32 [S], the group's thresholds of the last step (per segment).
-    step: DLGS only: int32[], the steps taken (`DLGSState.count`).
   """
   segs = select.segments(layout, group)
   ks, capacities = select.ks(layout, group), select.capacities(layout, group)
   if select.kind == "threshold":
     proposal = propose(select, layout, group, summed, previous)
     words, finite = segmented.pack_finite(summed.total(), proposal, segs)
-    positions, passed = segmented.compact(words, segs, capacities, step)
+    positions, passed = segmented.compact(words, segs, capacities)
     return Picked(positions, passed, proposal, finite)
   flat = summed.total()
   positions, passed = segmented.top(flat, segs, ks, capacities, select.whole(layout, group))
@@ -512,7 +510,7 @@ def pick(select: Selection, layout: Layout, group: int, summed: Summed,
 
 
 def pick_at(select: Selection, layout: Layout, group: int, summed: Summed,
-            thresholds: jax.Array, step: Optional[jax.Array] = None) -> Picked:
+            thresholds: jax.Array) -> Picked:
   """A group's values at or above thresholds given as they are (DGC's estimates).
 
   Args:
@@ -521,11 +519,9 @@ def pick_at(select: Selection, layout: Layout, group: int, summed: Summed,
     group: the group.
     summed: its values laid out in its buffer.
     thresholds: float32 [L], one per leaf of the group.
-    step: int32[], the steps taken: where more values pass than the slots
-      hold, where the slots start (`segmented.compact`).
   """
   segs = layout.buffer(group)
   words, finite = segmented.pack_finite(summed.total(), thresholds, segs)
-  positions, passed = segmented.compact(words, segs, select.capacities(layout, group), step)
+  positions, passed = segmented.compact(words, segs, select.capacities(layout, group))
   return Picked(positions, passed, thresholds, finite)
 

@@ -143,9 +143,10 @@ class AdaptedReuse:
       values the threshold is re-aimed on. The step that uses it passes fewer,
       since what the step before sent has left the residual, so an aim of 1
       sends less than k on average; above about 1, a leaf passing more than
-      its buffer sends a run of its passing values from a start that moves
-      with the step, not its largest, and above 1 exact steps overflow too
-      (experiments/README.md, section 2, measures it).
+      its buffer sends its first passing values in index order, not its
+      largest, and above 1 exact steps overflow too, so what is laid out last
+      can wait indefinitely (with one threshold per message, the first
+      layers; experiments/README.md, section 2, measures both).
     overflow: how many times its buffer a leaf may pass before its group
       recomputes (>= 1; ``math.inf``: never); what does not fit waits in the
       residual.

@@ -18,8 +18,7 @@ once and every pass handles all leaves together:
   select on the float's bits (three histogram passes, no sort, no
   conditional, no data-dependent loop);
 * `compact`: positions of the passing values in per-leaf fixed-capacity
-  slots, the first ones in index order (an overflowing leaf's from a rank
-  that moves with the step);
+  slots, the first ones in index order;
 * `count_at`: values passing several thresholds per leaf, from strided samples.
 
 The number of kernels and conditionals of these passes does not depend on the
@@ -322,8 +321,8 @@ def _triangle(width: int) -> jax.Array:
     return jnp.asarray(np.triu(np.ones((width, width), np.float32)))
 
 
-def compact(words: jax.Array, segs: Segments, capacities: Sequence[int],
-            step: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+def compact(words: jax.Array, segs: Segments, capacities: Sequence[int]
+            ) -> tuple[jax.Array, jax.Array]:
   """Buffer positions of the passing values, capacities[l] slots per leaf, leaf after leaf.
 
   A scatter of every position into the buffer is the obvious way and costs
@@ -334,21 +333,10 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int],
   words and O(capacity) work. Leaf l's slots are ``[sum(capacities[:l]), + capacities[l])``,
   holding its first ``min(passed_l, capacity_l)`` passing values in index order.
 
-  Where more values pass than a leaf's slots hold, index order alone would
-  send the same first ones step after step and leave the rest waiting in the
-  residual indefinitely. Given `step`, an overflowing leaf's slots take its
-  passing values from a rank that moves with the step (`_start_rank`) on,
-  wrapping around to its first ones, so each passing value is sent about as
-  often as any other; a leaf that fits, and every leaf at step 0,
-  keeps index order. Both stretches are found as above, in slots twice the
-  capacity.
-
   Args:
     words: uint32[W] from `pack`.
     segs: the layout.
     capacities: static slots per leaf (>= 1 each).
-    step: int32[], the step the start of overflowing leaves moves with;
-      None: index order always.
 
   Returns:
     ``(positions, passed)``: int32[sum(capacities)] positions in the buffer,
@@ -359,60 +347,27 @@ def compact(words: jax.Array, segs: Segments, capacities: Sequence[int],
   capacities = np.asarray(capacities, np.int64)
   total = int(capacities.sum())
   slot_starts = np.concatenate([[0], np.cumsum(capacities)[:-1]]).astype(np.int32)
-  first_words = (segs.word_ends - np.asarray(segs.words)).astype(np.int32)
   counts = lax.population_count(words).astype(jnp.int32)
   inclusive = running_sums(counts, segs.length)
+  word_starts = inclusive - counts
   # Passing values up to each leaf's end, and before its start: its count is
   # their difference, read off the prefix sum the slots need anyway.
-  leaf_base = inclusive[first_words] - counts[first_words]
+  leaf_base = word_starts[segs.word_ends - np.asarray(segs.words)]
   passed = inclusive[segs.word_ends - 1] - leaf_base
-  # The passing values of each word's leaf up to the word's end.
-  within = inclusive - per_word(leaf_base, segs)
-  caps = per_word(_int32(capacities), segs)
-  word_slots = per_word(jnp.asarray(slot_starts), segs)
-  local = jnp.arange(total, dtype=jnp.int32) - _repeat(jnp.asarray(slot_starts), capacities)
   # The slot after each word's last value (its leaf's end if it overflows):
   # the word holding slot s's value is the number of words ending at or
   # before s, leaf after leaf, so a count of word ends per slot and a running
   # sum over the slots name it.
-  if step is None:
-    word_index = _words_at_slots(word_slots + jnp.minimum(within, caps), total, num_words)
-    rank = local
-  else:
-    start = _start_rank(step, passed, capacities)
-    wrap = passed - start  # slots before the leaf's first values come round
-    ends = jnp.concatenate([
-        word_slots + jnp.clip(within - per_word(start, segs), 0, caps),
-        total + word_slots + jnp.minimum(within + per_word(wrap, segs), caps)])
-    both = _words_at_slots(ends, 2 * total, 2 * num_words)
-    wrapped = local >= _repeat(wrap, capacities)
-    # After the wrap every word was counted once already, in the first stretch.
-    word_index = jnp.where(wrapped, both[total:] - num_words, both[:total])
-    rank = jnp.where(wrapped, local - _repeat(wrap, capacities),
-                     local + _repeat(start, capacities))
-  word_index = jnp.minimum(word_index, num_words - 1)
-  bit = selection.bit_of_rank(words[word_index], rank - (within - counts)[word_index])
+  ends = jnp.minimum(inclusive - per_word(leaf_base, segs),
+                     per_word(jnp.asarray(capacities, jnp.int32), segs))
+  ends = per_word(jnp.asarray(slot_starts), segs) + ends
+  word_ends = jnp.zeros((total,), jnp.int32).at[ends].add(1, mode="drop")
+  word_index = jnp.minimum(running_sums(word_ends, num_words), num_words - 1)
+  local = jnp.arange(total, dtype=jnp.int32) - _repeat(jnp.asarray(slot_starts), capacities)
+  bit = selection.bit_of_rank(words[word_index],
+                     local + _repeat(leaf_base, capacities) - word_starts[word_index])
   positions = jnp.where(local < _repeat(passed, capacities), word_index * WORD + bit, segs.length)
   return positions, passed
-
-
-def _words_at_slots(ends: jax.Array, slots: int, bound: int) -> jax.Array:
-  """Per slot, the number of words whose end (`ends`, a slot each) is at or before it."""
-  word_ends = jnp.zeros((slots,), jnp.int32).at[ends].add(1, mode="drop")
-  return running_sums(word_ends, bound)
-
-
-def _start_rank(step: jax.Array, passed: jax.Array, capacities: np.ndarray) -> jax.Array:
-  """Per leaf, the rank an overflowing leaf's slots start at (`compact`); 0 where it fits.
-
-  The fraction ``step * 0x9E3779B1 / 2^32`` (mod 1) of the passing values: the
-  golden ratio's multiples spread evenly, so over N steps no stretch of a
-  leaf much longer than ``passed / N`` is skipped by every start.
-  """
-  mixed = jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
-  fraction = mixed.astype(jnp.float32) * jnp.float32(2.0 ** -32)
-  start = jnp.minimum((fraction * passed.astype(jnp.float32)).astype(jnp.int32), passed - 1)
-  return jnp.where(passed > _int32(capacities), start, 0)
 
 
 def compact_top(above: jax.Array, ties: jax.Array, segs: Segments, capacities: Sequence[int]

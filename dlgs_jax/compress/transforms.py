@@ -108,8 +108,7 @@ def _sparse_transform(
       summed = engine.accumulate(layout, group, state.residuals[group], grads)
       accumulated.append(summed)
       picked.append(engine.pick(select, layout, group, summed,
-                                state.thresholds[group] if with_thresholds else None,
-                                state.count if with_thresholds else None))
+                                state.thresholds[group] if with_thresholds else None))
     owners_exact = None
     if with_owners and with_thresholds:
       # A threshold never measured (0: a fresh or resharded state) is measured now.
