@@ -208,7 +208,7 @@ class _Loop:
     record = {"step": done_step, "epoch": epoch, "loss": loss, "accuracy": accuracy,
               "lr": float(run.schedule(done_step - 1)), "step_time": step_time,
               "images_per_s": run.workers * run.config.data.batch_size / step_time}
-    for key in ("bytes_sent", "selected", "skipped", "exact"):
+    for key in ("bytes_sent", "selected", "passed", "skipped", "exact"):
       if key in metrics:
         record[key] = float(metrics[key])
     self.metrics_log.write(record)

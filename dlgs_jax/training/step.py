@@ -78,7 +78,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     A `TrainStep`, called as a function. `images` (uint8) and `labels` are per-worker arrays of
     shape ``(workers, batch, ...)``; metrics are replicated scalars: loss,
     accuracy and, when the optimizer holds `CommStats`, the mean bytes sent and
-    values selected per worker this step, the count of skipped steps and the
+    values selected and passing per worker this step, the count of skipped steps and the
     leaves whose threshold was computed exactly this step (DLGS). The
     state argument is donated.
   """

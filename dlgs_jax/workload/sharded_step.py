@@ -294,7 +294,8 @@ def data_parallel(
     whose leading axis is split over the workers (place it with
     ``batch_sharding``); metrics are replicated scalars: ``loss``, the aux
     metrics, and from the transforms' statistics ``bytes_sent`` (per worker,
-    all transforms of the chain), ``selected``, ``skipped`` and ``exact``.
+    all transforms of the chain), ``selected``, ``passed`` (more than
+    ``selected`` where a buffer overflowed), ``skipped`` and ``exact``.
     On CPU meshes ``step`` waits for every `CPU_SYNC_EVERY`-th step's results,
     which keeps XLA:CPU's collectives from aborting the process.
 
@@ -527,7 +528,7 @@ def _comm_metrics(opt_state) -> dict:
   stats = list(found.values())
   total = lambda field: sum(jnp.sum(getattr(s, field)).astype(jnp.float32) for s in stats)
   return {"bytes_sent": total("bytes_sent"), "selected": total("selected"),
-          "skipped": total("skipped"), "exact": total("exact")}
+          "passed": total("passed"), "skipped": total("skipped"), "exact": total("exact")}
 
 
 def _average(model_state, metrics: dict, axis_name):

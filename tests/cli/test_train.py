@@ -52,6 +52,10 @@ def test_every_method_trains_and_logs(tmp_path, method):
   assert [r["step"] for r in steps] == [1, 2, 3, 4]
   for r in steps:
     assert r["bytes_sent"] > 0 and r["step_time"] > 0
+    if method != "terngrad":  # TernGrad sends every value; its "passed" are the nonzero ones
+      assert r["passed"] >= r["selected"]
+  if method == "dlgs":  # thresholds start at 0: everything passes, the buffer holds k
+    assert steps[0]["passed"] > steps[0]["selected"] > 0
   # lr / 10 after round(4/7 * 4) = 2 and round(6/7 * 4) = 3 steps.
   assert [r["lr"] for r in steps] == pytest.approx([0.05, 0.05, 0.005, 0.0005])
   epoch = [r for r in records(tmp_path) if r.get("event") == "epoch_end"]

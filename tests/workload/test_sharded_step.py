@@ -361,7 +361,8 @@ def test_linen_batch_stats_are_averaged_over_workers():
                                  ["BatchNorm_0"]["mean"]) for i in range(W)], axis=0)
   np.testing.assert_allclose(dlgs_jax.fetch(state.model_state)["BatchNorm_0"]["mean"], expected,
                              rtol=1e-5, atol=1e-7)
-  assert set(metrics) >= {"loss", "first", "bytes_sent", "selected"}
+  assert set(metrics) >= {"loss", "first", "bytes_sent", "selected", "passed"}
+  assert float(metrics["passed"]) >= float(metrics["selected"]) > 0
 
 
 class NNXNet(nnx.Module):
