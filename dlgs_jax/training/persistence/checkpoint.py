@@ -26,8 +26,10 @@ import os
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 class CheckpointMismatch(ValueError):
@@ -46,87 +48,37 @@ class CheckpointCorrupt(RuntimeError):
   """No checkpoint in the directory passed its checks."""
 
 
-# The position weight of the fingerprints' second sum (Knuth's multiplicative hash).
-_WEIGHT = 2654435761
-# Values a shard is read in at a time: bounds the host memory the sums take.
-_CHUNK = 1 << 22
+def _bits(leaf: jax.Array) -> jax.Array:
+  """The raw bits of `leaf` as uint32 values (any dtype up to 32 bits)."""
+  leaf = jnp.asarray(leaf)
+  if leaf.dtype == jnp.bool_:
+    return leaf.astype(jnp.uint32).reshape(-1)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32).reshape(-1)
 
 
-def _bits(values: np.ndarray) -> np.ndarray:
-  """The raw bits of `values` (any dtype up to 32 bits) as flat uint64 values."""
-  values = np.ascontiguousarray(values).reshape(-1)
-  if values.dtype == np.bool_:
-    return values.astype(np.uint64)
-  unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[values.dtype.itemsize]
-  return values.view(unsigned).astype(np.uint64)
-
-
-def _shard_sums(values: np.ndarray, index: tuple, shape: tuple[int, ...]) -> np.ndarray:
-  """The two sums of one shard of an array of `shape`, mod 2**32, as uint64 [2].
-
-  Each value's raw bits b at flat position i of the whole array count as b and
-  b * (i * _WEIGHT + 1); every product and sum is taken mod 2**32, so a leaf's
-  sums are the sums of its shards' sums whatever the order.
-  """
-  if not shape:  # a scalar: one value at position 0
-    values, index, shape = values.reshape(1), (), (1,)
-  starts = [s.start or 0 for s in index] + [0] * (len(shape) - len(index))
-  strides = [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(len(shape))]
-  step = max(1, _CHUNK // max(1, int(np.prod(values.shape[1:], dtype=np.int64))))
-  plain = weighted = 0
-  for first in range(0, values.shape[0], step):
-    chunk = values[first:first + step]
-    # Flat positions in the whole array of this chunk's values, in C order (uint64
-    # products wrap mod 2**64, which keeps them right mod 2**32).
-    position = np.zeros((), np.uint64)
-    for d, length in enumerate(chunk.shape):
-      offset = starts[d] + (first if d == 0 else 0)
-      axis = np.arange(offset, offset + length, dtype=np.uint64) * np.uint64(strides[d])
-      position = position[..., None] + axis
-    bits = _bits(chunk)
-    weights = (position.reshape(-1) * np.uint64(_WEIGHT) + np.uint64(1)) & np.uint64(0xFFFFFFFF)
-    plain += int(bits.sum(dtype=np.uint64))
-    weighted += int(np.sum(bits * weights, dtype=np.uint64))
-  return np.asarray([plain % 2**32, weighted % 2**32], np.uint64)
-
-
-def _leaf_sums(leaf) -> np.ndarray:
-  """This process's part of a leaf's two sums: every addressable shard it holds first."""
-  if not isinstance(leaf, jax.Array):
-    values = np.asarray(leaf)
-    return _shard_sums(values, (), values.shape)
-  total = np.zeros(2, np.uint64)
-  for shard in leaf.addressable_shards:
-    if shard.replica_id == 0:  # a replicated value is counted by one holder only
-      total = total + _shard_sums(np.asarray(shard.data), shard.index, leaf.shape)
-  return total % np.uint64(2**32)
+def _fingerprints(leaves):
+  prints = []
+  for leaf in leaves:
+    bits = _bits(leaf)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    prints.append(jnp.stack([jnp.sum(bits), jnp.sum(bits * weights)]))
+  return jnp.stack(prints) if prints else jnp.zeros((0, 2), jnp.uint32)
 
 
 def tree_fingerprints(tree: Any) -> list[list[int]]:
   """Two wrapping sums (plain and position-weighted) of the raw bits of each leaf.
 
-  Read from the shards on the host, so no program is compiled (a checkpoint of a
-  model of many leaves saves and verifies without one), and summed over processes,
-  so every process gets the same numbers for a tree sharded over many; any flipped
-  bit changes a leaf's pair.
+  Computed on the devices over the global arrays, so every process gets the same
+  numbers for a tree sharded over many; any flipped bit changes a leaf's pair.
   """
   leaves = jax.tree_util.tree_leaves(tree)
-  if not leaves:
-    return []
-  sums = np.stack([_leaf_sums(leaf) for leaf in leaves]).astype(np.int64)
-  # Leaves spread over processes: each holds a part of the sums. (A process-local
-  # leaf is whole in every process, and its own sums are already the whole's.)
-  spread = np.asarray([isinstance(x, jax.Array) and not x.is_fully_addressable
-                       for x in leaves])
-  if spread.any():
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-    # In 16-bit halves: JAX (without x64) would take int64 sums as int32.
-    halves = np.stack([sums & 0xFFFF, sums >> 16]).astype(np.int32)
-    every = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64)
-    total = every[:, 0].sum(axis=0) + (every[:, 1].sum(axis=0) << 16)  # [leaves, 2]
-    sums = np.where(spread[:, None], total, sums)
-  return (sums % 2**32).tolist()
+  shardings = [x.sharding for x in leaves if isinstance(x, jax.Array)]
+  out = None
+  if shardings and isinstance(shardings[0], NamedSharding):
+    out = NamedSharding(shardings[0].mesh, PartitionSpec())
+  result = jax.jit(_fingerprints, out_shardings=out)(leaves)
+  return np.asarray(result).astype(np.int64).tolist()
 
 
 def record_digest(record: dict[str, Any]) -> str:

@@ -3,9 +3,7 @@ import gc
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 import optax
 import pytest
 
@@ -208,43 +206,6 @@ def test_fingerprints_see_one_flipped_bit_in_any_leaf(states):
     changed[i] = flat.reshape(np.shape(leaves[i]))
     other = checkpoint.tree_fingerprints(changed)
     assert other[i] != prints[i] and other[:i] + other[i + 1:] == prints[:i] + prints[i + 1:]
-
-
-def _device_fingerprints(leaves):
-  """The fingerprints as a jitted program over whole arrays computes them (uint32 wrapping)."""
-  prints = []
-  for leaf in leaves:
-    leaf = jnp.asarray(np.asarray(leaf))  # whole, on one device
-    if leaf.dtype == jnp.bool_:
-      bits = leaf.astype(jnp.uint32).reshape(-1)
-    else:
-      unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
-      bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32).reshape(-1)
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-    prints.append([int(jnp.sum(bits)), int(jnp.sum(bits * weights))])
-  return prints
-
-
-def test_fingerprints_from_shards_equal_the_whole_arrays_sums(monkeypatch):
-  """Read shard by shard on the host (in chunks, replicas counted once), the sums are
-  those of the whole arrays in uint32 arithmetic: checkpoints written before verify."""
-  monkeypatch.setattr(checkpoint, "_CHUNK", 64)  # several chunks a shard
-  rng = np.random.default_rng(0)
-  mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices()[:8])
-  sharded = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
-  big = rng.standard_normal((16, 40, 3)).astype(np.float32)
-  leaves = [
-      sharded(big, "a", "b"),                     # every device a part
-      sharded(big, None, "b"),                    # each part held by 4 devices
-      sharded(big, "a"),                          # replicated over "b"
-      jnp.asarray(rng.integers(-9, 9, (7, 5)), jnp.int32),
-      jnp.asarray(rng.standard_normal(300), jnp.bfloat16),
-      jnp.asarray(rng.integers(0, 255, 33), jnp.uint8),
-      jnp.asarray(rng.random(9) < 0.5),
-      jnp.float32(-3.5), np.float32(2.25), np.zeros((0, 3), np.float32),
-  ]
-  assert checkpoint.tree_fingerprints(leaves) == _device_fingerprints(leaves)
-  assert checkpoint.tree_fingerprints([]) == []
 
 
 def test_dgc_state_resumes_bit_for_bit_through_a_checkpoint(tmp_path):
