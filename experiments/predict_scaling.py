@@ -81,6 +81,7 @@ def predictions_of(args, profiles, bandwidths):
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   from dlgs_jax.planning import network, scaling
   from dlgs_jax.profiling import figures
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     settings.update(local=args.local, fast_bandwidth=args.fast_bandwidth,
                     fast_latency=args.fast_latency)
   (out_dir / f"{stem}.json").write_text(json.dumps({
-      "command": " ".join(["python", "experiments/predict_scaling.py"] + sys.argv[1:]),
+      "command": " ".join(["python", "experiments/predict_scaling.py"] + argv),
       "measured": measured, **settings,
       "predictions": [p.to_dict() for p in predictions]}, indent=1))
   (out_dir / f"{stem}.md").write_text(table + "\n")

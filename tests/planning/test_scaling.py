@@ -1,7 +1,4 @@
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +8,13 @@ from dlgs_jax.planning import scaling
 from dlgs_jax.compress import selection
 from dlgs_jax.compress import wire
 from dlgs_jax.planning.timeline import LinearCost, MethodCosts, Profile, simulate
+from tests.experiments.test_experiments import load
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def predict_scaling(capsys, *args) -> str:
+  """`experiments/predict_scaling.py` run with `args` in this process; what it printed."""
+  assert load("predict_scaling").main(list(args)) == 0
+  return capsys.readouterr().out
 
 
 def small_profile():
@@ -89,18 +91,17 @@ def test_bad_input(kwargs, match):
     scaling.predict(small_profile(), **args)
 
 
-def test_cli_writes_table_json_and_plot(tmp_path):
+def test_cli_writes_table_json_and_plot(tmp_path, capsys):
   profile_path = tmp_path / "toy.json"
   small_profile().save(profile_path)
-  result = subprocess.run(
-      [sys.executable, str(ROOT / "experiments" / "predict_scaling.py"), "--profiles",
-       str(profile_path), "--workers", "2,4", "--bandwidths", "1gbit,10gbit",
-       "--out-dir", str(tmp_path / "out")],
-      capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr
-  assert "Measured (per worker)" in result.stdout and "Predicted" in result.stdout
-  assert "| toy | 1 Gb/s | 4 |" in result.stdout
+  stdout = predict_scaling(capsys, "--profiles", str(profile_path), "--workers", "2,4",
+                           "--bandwidths", "1gbit,10gbit", "--out-dir", str(tmp_path / "out"))
+  assert "Measured (per worker)" in stdout and "Predicted" in stdout
+  assert "| toy | 1 Gb/s | 4 |" in stdout
   data = json.loads((tmp_path / "out" / "scaling_density0.01.json").read_text())
+  assert data["command"] == (f"python experiments/predict_scaling.py --profiles {profile_path} "
+                             f"--workers 2,4 --bandwidths 1gbit,10gbit --out-dir "
+                             f"{tmp_path / 'out'}")
   assert len(data["predictions"]) == 2 * 2 * len(scaling.PREDICTABLE)
   assert data["measured"]["toy"]["source"] == "hand-made"
   png = (tmp_path / "out" / "scaling_density0.01.png").read_bytes()
@@ -144,16 +145,13 @@ def test_node_predictions_compare_flat_and_two_level_exchanges():
                           density=0.01)
 
 
-def test_node_cli_writes_table_json_and_plot(tmp_path):
+def test_node_cli_writes_table_json_and_plot(tmp_path, capsys):
   profile_path = tmp_path / "toy.json"
   small_profile().save(profile_path)
-  result = subprocess.run(
-      [sys.executable, str(ROOT / "experiments" / "predict_scaling.py"), "--profiles",
-       str(profile_path), "--nodes", "2,4", "--local", "4", "--bandwidths", "10gbit",
-       "--out-dir", str(tmp_path / "out")],
-      capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr
-  assert "Measured (per GPU)" in result.stdout and "| toy | 10 Gb/s | 4 x 4 |" in result.stdout
+  stdout = predict_scaling(capsys, "--profiles", str(profile_path), "--nodes", "2,4",
+                           "--local", "4", "--bandwidths", "10gbit", "--out-dir",
+                           str(tmp_path / "out"))
+  assert "Measured (per GPU)" in stdout and "| toy | 10 Gb/s | 4 x 4 |" in stdout
   data = json.loads((tmp_path / "out" / "nodes_local4_density0.01.json").read_text())
   assert len(data["predictions"]) == 2 * len(scaling.NODE_CONFIGS)
   assert data["measured"]["toy"]["source"] == "hand-made"
