@@ -57,6 +57,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cpu-floor-small-pages": lambda: cpu_floor("cpu_flat_small_pages"),
     "cpu-floor-huge-pages": lambda: cpu_floor("cpu_flat_huge_pages"),
     "cpu-floor-quiet": lambda: cpu_floor("cpu_quiet_summed"),
+    "cpu-floor-kept": lambda: cpu_floor("cpu_quiet_kept"),
     "cpu-floor-quiet-thp": lambda: cpu_floor("cpu_quiet_thp"),
     "cpu-floor-summed": lambda: cpu_floor("cpu_donated_summed"),
     "cpu-floor-written": lambda: cpu_floor("cpu_donated_written"),
