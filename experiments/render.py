@@ -22,7 +22,7 @@ from typing import Callable
 from tables_accuracy import (demo_budget, demo_presets, full_cifar, owners_accuracy,
                              subset_budget, threshold_rules)
 from tables_cluster import (cluster_message, cluster_report, nodes_measured, owners_cluster,
-                            speedups, timeline_check)
+                            speedups, timeline_check, topk_pair)
 from tables_common import ROOT
 from tables_cost import (cpu_floor, h200_update, hsdp_manual, hsdp_memory, update_kernels,
                          update_passes)
@@ -47,6 +47,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cluster-speedups-commands": lambda: speedups(commands=True),
     "cluster-report": cluster_report,
     "cluster-message": cluster_message,
+    "topk-pair": topk_pair,
     "predicted-scaling": predicted_scaling,
     "predicted-nodes": predicted_nodes,
     "owners-crossover": owners_crossover,

@@ -135,6 +135,11 @@ def full_steps() -> list[tuple[str, list[str]]]:
       ("compare_resnet20_100mbit_topk", compare(
           "resnet20", 0.01, "dense,topk,dlgs-paper", 60, 3, "--out-dir",
           r + "compare/resnet20_100mbit/topk_pair", plans="cluster_resnet20", bandwidth="100mbit")),
+      # The same pair on flat buffers, both DLGS rules, long enough for a 2-3% difference.
+      ("compare_resnet20_100mbit_topk_flat", compare(
+          "resnet20", 0.01, "dense,topk,dlgs,dlgs-paper", 100, 3, "--out-dir",
+          r + "compare/resnet20_100mbit/topk_pair_flat", plans="cluster_resnet20",
+          bandwidth="100mbit")),
       *[(f"compare_batched_{model}_{link or '1gbit'}", compare(
           model, 0.01, "dense,topk,lags,gtopk,dlgs,dlgs-layer,dlgs-paper", rounds, steps,
           "--out-dir",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from compare_cluster import sign_test
 from tables_common import LINKS, MODELS, RESULTS, budget_named, load
 
 
@@ -153,6 +154,24 @@ def cluster_message() -> str:
     cells.append(f"{wins['dlgs-message']['topk']} / {wins['dlgs-paper-message']['topk']} "
                  f"of {len(run['round_orders'])}")
     lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def topk_pair() -> str:
+  """ResNet-20 at 100 Mbit/s on flat buffers: Top-k against both DLGS rules, one long paired job."""
+  run = budget_named(load(RESULTS / "compare" / "resnet20_100mbit" / "topk_pair_flat"
+                          / "compare_resnet20_0.01.json"))
+  wins, rounds = run["wins"], len(run["round_orders"])
+  lines = ["| method | median step | speedup over dense | rounds ahead of Top-k | sign test p |",
+           "|---|---|---|---|---|"]
+  for method, name in (("dense", "dense"), ("topk", "Top-k"), ("dlgs", "DLGS, default"),
+                       ("dlgs-paper", "DLGS, paper's rule")):
+    row = _summary(run, method)
+    ahead, p = "", ""
+    if method.startswith("dlgs"):
+      ahead = f"{wins[method]['topk']} of {rounds}"
+      p = f"{sign_test(wins[method]['topk'], wins['topk'][method]):.1g}"
+    lines.append(f"| {name} | {row['median'] * 1e3:.1f} ms | {row['speedup']:.2f}x | {ahead} | {p} |")
   return "\n".join(lines)
 
 
