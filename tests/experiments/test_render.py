@@ -49,6 +49,23 @@ def test_the_cluster_cells_come_from_the_summary_of_the_run():
   assert f"{speedup:.2f}x" == row.split(" | ")[2 + column].strip("*")
 
 
+def test_the_topk_pair_counts_each_dlgs_rules_rounds_against_topk_and_tests_the_split(
+    monkeypatch, tmp_path):
+  """Wins come from the job's matrix in the DLGS-over-Top-k direction; p is the sign test's."""
+  run = {"summary": [{"method": m, "median": t, "speedup": 0.3 / t}
+                     for m, t in (("dense", 0.3), ("topk", 0.2), ("dlgs", 0.19),
+                                  ("dlgs-paper", 0.21))],
+         "round_orders": [None] * 10, "methods": {"dlgs": {"budget": "message"}},
+         "wins": {"topk": {"dlgs": 1, "dlgs-paper": 8}, "dlgs": {"topk": 9},
+                  "dlgs-paper": {"topk": 2}}}
+  monkeypatch.setattr(tables_cluster, "load", lambda path: run)
+  rows = tables_cluster.topk_pair().split("\n")[2:]
+  assert rows[1] == "| Top-k | 200.0 ms | 1.50x |  |  |"
+  # 9 of 10: p = 2 (1 + 10) / 2^10 = 0.021; 2 of 10: 2 (1 + 10 + 45) / 2^10 = 0.11.
+  assert rows[2] == "| DLGS, default | 190.0 ms | 1.58x | 9 of 10 | 0.02 |"
+  assert rows[3] == "| DLGS, paper's rule | 210.0 ms | 1.43x | 2 of 10 | 0.1 |"
+
+
 def test_a_block_naming_no_table_is_refused_in_one_line():
   with pytest.raises(ValueError, match=r"'<!-- table: nope -->' names no table; choose one of"):
     render.render("<!-- table: nope -->\n| x |\n<!-- end table -->\n", "page.md")
