@@ -50,7 +50,7 @@ def test_the_cluster_cells_come_from_the_summary_of_the_run():
 
 
 def test_the_topk_pair_counts_each_dlgs_rules_rounds_against_topk_and_tests_the_split(
-    monkeypatch, tmp_path):
+    monkeypatch):
   """Wins come from the job's matrix in the DLGS-over-Top-k direction; p is the sign test's."""
   run = {"summary": [{"method": m, "median": t, "speedup": 0.3 / t}
                      for m, t in (("dense", 0.3), ("topk", 0.2), ("dlgs", 0.19),
